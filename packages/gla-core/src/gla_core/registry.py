@@ -1,0 +1,178 @@
+"""The plugin registry: discovers implementations through pluggy and keeps them.
+
+Plugins are modules registered under the entry-point group `gla`. Each entry point is
+loaded on its own: one that fails to import, raises in its hook or registers invalid
+records is reported in `failures` and skipped, never breaking the others. `GLA_PLUGINS`
+(comma-separated entry-point names) restricts which entry points load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from collections.abc import Iterable
+from importlib import metadata
+
+import pluggy
+
+from gla_core import hookspecs
+from gla_core.errors import RegistrationError
+from gla_core.records import BACKENDS, OPS, Implementation
+
+ENTRY_POINT_GROUP = "gla"
+PLUGINS_ENV = "GLA_PLUGINS"
+
+
+@dataclasses.dataclass(frozen=True)
+class PluginFailure:
+    """A plugin that was skipped and why."""
+
+    plugin: str
+    error: str
+
+
+class Registry:
+    """Implementations contributed by plugins, with the failures met while loading them."""
+
+    def __init__(self) -> None:
+        self._manager = pluggy.PluginManager(hookspecs.PROJECT)
+        self._manager.add_hookspecs(hookspecs)
+        self._implementations: list[Implementation] = []
+        self._failures: list[PluginFailure] = []
+        self._skipped: list[str] = []
+
+    # ----------------------------------------------------------------- loading
+
+    def register(self, plugin: object, name: str | None = None) -> list[Implementation]:
+        """Registers one plugin (a module or object with `@hookimpl` functions).
+
+        Returns the implementations it added. Raises `RegistrationError` when its hook
+        raises or returns invalid or conflicting records; the plugin is then not kept.
+        """
+        name = name or getattr(plugin, "__name__", None) or repr(plugin)
+        if self._manager.is_registered(plugin) or self._manager.get_plugin(name) is not None:
+            raise RegistrationError(f"plugin {name!r} is already registered")
+        self._manager.register(plugin, name=name)
+        try:
+            added = self._collect(plugin, name)
+        except Exception:
+            self._manager.unregister(plugin)
+            raise
+        self._implementations.extend(added)
+        return added
+
+    def load_entry_points(self, allowed: Iterable[str] | None = None) -> None:
+        """Loads every entry point of group `gla` (only those in `allowed` when given)."""
+        allowed = None if allowed is None else set(allowed)
+        entry_points = sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name)
+        for entry_point in entry_points:
+            if allowed is not None and entry_point.name not in allowed:
+                self._skipped.append(entry_point.name)
+                continue
+            try:
+                plugin = entry_point.load()
+            except Exception as error:
+                self._failures.append(PluginFailure(entry_point.name, f"import failed: {type(error).__name__}: {error}"))
+                continue
+            try:
+                self.register(plugin, name=entry_point.name)
+            except Exception as error:
+                self._failures.append(PluginFailure(entry_point.name, f"{type(error).__name__}: {error}"))
+
+    def _collect(self, plugin: object, name: str) -> list[Implementation]:
+        hooks = [h for h in self._manager.hook.gla_implementations.get_hookimpls() if h.plugin is plugin]
+        records: list[Implementation] = []
+        for hook in hooks:
+            try:
+                returned = hook.function()
+            except Exception as error:
+                raise RegistrationError(
+                    f"plugin {name!r}: gla_implementations() raised {type(error).__name__}: {error}"
+                ) from error
+            if not isinstance(returned, (list, tuple)):
+                raise RegistrationError(
+                    f"plugin {name!r}: gla_implementations() must return a list of Implementation, "
+                    f"got {type(returned).__name__}"
+                )
+            records.extend(returned)
+        for record in records:
+            self._check(record, name, [*self._implementations, *records[: records.index(record)]])
+        return records
+
+    @staticmethod
+    def _check(record: object, plugin: str, existing: list[Implementation]) -> None:
+        if not isinstance(record, Implementation):
+            raise RegistrationError(f"plugin {plugin!r}: expected Implementation records, got {type(record).__name__}")
+        where = f"plugin {plugin!r}, implementation {record.op}/{record.name}"
+        if record.op not in OPS:
+            raise RegistrationError(f"{where}: op must be one of {list(OPS)}, got {record.op!r}")
+        if not record.name or not isinstance(record.name, str):
+            raise RegistrationError(f"{where}: name must be a non-empty string, got {record.name!r}")
+        if not isinstance(record.priority, int) or isinstance(record.priority, bool):
+            raise RegistrationError(f"{where}: priority must be an int, got {record.priority!r}")
+        if not record.backends or not record.backends <= BACKENDS:
+            raise RegistrationError(
+                f"{where}: backends must be a non-empty subset of {sorted(BACKENDS)}, got {sorted(record.backends)}"
+            )
+        if not callable(record.fn) or not callable(record.supports):
+            raise RegistrationError(f"{where}: fn and supports must be callable")
+        for other in existing:
+            if other.op != record.op:
+                continue
+            if other.name == record.name:
+                raise RegistrationError(
+                    f"{where}: name already registered for {record.op} by package {other.package!r}"
+                )
+            if other.priority == record.priority:
+                raise RegistrationError(
+                    f"{where}: priority {record.priority} ties with {other.op}/{other.name} "
+                    f"from package {other.package!r}; priorities of one op must differ"
+                )
+
+    # ----------------------------------------------------------------- queries
+
+    def implementations(self, op: str | None = None) -> tuple[Implementation, ...]:
+        """Registered implementations (of `op` when given), highest priority first."""
+        chosen = [i for i in self._implementations if op is None or i.op == op]
+        return tuple(sorted(chosen, key=lambda i: (OPS.index(i.op), -i.priority)))
+
+    @property
+    def failures(self) -> tuple[PluginFailure, ...]:
+        """Plugins that failed to load, with the reason."""
+        return tuple(self._failures)
+
+    @property
+    def skipped(self) -> tuple[str, ...]:
+        """Entry points not loaded because `GLA_PLUGINS` does not list them."""
+        return tuple(self._skipped)
+
+
+_lock = threading.Lock()
+_default: Registry | None = None
+
+
+def allowed_plugins() -> list[str] | None:
+    """Entry-point names listed in `GLA_PLUGINS`, or None when it is unset (load all)."""
+    raw = os.environ.get(PLUGINS_ENV)
+    if raw is None or not raw.strip():
+        return None
+    return [name.strip() for name in raw.split(",") if name.strip()]
+
+
+def default_registry() -> Registry:
+    """The process-wide registry, loaded from entry points on first use."""
+    global _default
+    with _lock:
+        if _default is None:
+            registry = Registry()
+            registry.load_entry_points(allowed_plugins())
+            _default = registry
+        return _default
+
+
+def reset_default_registry(registry: Registry | None = None) -> None:
+    """Replaces the process-wide registry (None: reload from entry points on next use)."""
+    global _default
+    with _lock:
+        _default = registry
