@@ -28,12 +28,13 @@ class Overrides:
     interpret: bool | None = None
 
 
-_ACTIVE: contextvars.ContextVar[Overrides] = contextvars.ContextVar("gla_overrides", default=Overrides())
+NO_OVERRIDES = Overrides()
+_ACTIVE: contextvars.ContextVar[Overrides | None] = contextvars.ContextVar("gla_overrides", default=None)
 
 
 def current() -> Overrides:
     """The overrides set by the innermost active `use()`."""
-    return _ACTIVE.get()
+    return _ACTIVE.get() or NO_OVERRIDES
 
 
 @contextlib.contextmanager

@@ -73,7 +73,8 @@ class Registry:
             try:
                 plugin = entry_point.load()
             except Exception as error:
-                self._failures.append(PluginFailure(entry_point.name, f"import failed: {type(error).__name__}: {error}"))
+                reason = f"import failed: {type(error).__name__}: {error}"
+                self._failures.append(PluginFailure(entry_point.name, reason))
                 continue
             try:
                 self.register(plugin, name=entry_point.name)

@@ -45,18 +45,15 @@ def bind_arguments(op: str, arrays: tuple, kwargs: Mapping[str, Any]) -> dict[st
             f"{op}: expected at most {len(signature.arrays)} positional arrays "
             f"({', '.join(signature.arrays)}), got {len(arrays)}; pass the others by keyword"
         )
-    bound: dict[str, Any] = dict(zip(signature.arrays, arrays))
+    bound: dict[str, Any] = dict(zip(signature.arrays, arrays, strict=False))
     known = set(signature.arrays) | set(signature.keywords) | {"interpret"}
     for name, value in kwargs.items():
         canonical = KEYWORD_ALIASES.get(op, {}).get(name, name)
         if canonical not in known:
-            raise UnknownArgumentError(
-                f"{op}: unexpected keyword argument {name!r}; expected one of {sorted(known)}"
-            )
+            raise UnknownArgumentError(f"{op}: unexpected keyword argument {name!r}; expected one of {sorted(known)}")
         if canonical in bound:
             raise UnknownArgumentError(
-                f"{op}: argument {canonical!r} given more than once"
-                + (f" (as {name!r})" if name != canonical else "")
+                f"{op}: argument {canonical!r} given more than once" + (f" (as {name!r})" if name != canonical else "")
             )
         bound[canonical] = value
     for name in signature.arrays:
@@ -291,7 +288,7 @@ def _validate_gate_params(op: str, args: dict[str, Any], num_value_heads: int, k
 
 def _validate_kda(args, backend, interpret):
     dims = _validate_qkv("kda", args, grouped_values=True)
-    batch, seq_len, num_heads, num_value_heads, key_dim, value_dim = dims
+    batch, seq_len, _, num_value_heads, key_dim, value_dim = dims
     for flag in ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel"):
         args[flag] = _require_bool(flag, args[flag])
     if args["g"] is None:

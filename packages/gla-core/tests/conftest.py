@@ -1,0 +1,73 @@
+"""Fixtures for gla-core tests: a registry holding fake implementations only."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from gla_core import Implementation, hookimpl
+from gla_core.registry import Registry, reset_default_registry
+
+ALL_BACKENDS = frozenset({"cpu", "gpu", "tpu"})
+
+
+def make_fake_impl(name: str, priority: int, op: str = "simple_gla", **fields) -> Implementation:
+    """An implementation whose fn returns its own name, so tests can see who ran."""
+    fields.setdefault("backends", ALL_BACKENDS)
+    fields.setdefault("package", "fake-package")
+    return Implementation(op=op, name=name, fn=lambda *arrays, **kwargs: name, priority=priority, **fields)
+
+
+def make_plugin(*implementations: Implementation, name: str = "fake_plugin") -> types.ModuleType:
+    """A plugin module whose hook returns `implementations`."""
+    module = types.ModuleType(name)
+
+    @hookimpl
+    def gla_implementations():
+        return list(implementations)
+
+    module.gla_implementations = gla_implementations
+    return module
+
+
+@pytest.fixture
+def fake_impl():
+    """Factory `fake_impl(name, priority, op="simple_gla", **fields)` of implementations returning their name."""
+    return make_fake_impl
+
+
+@pytest.fixture
+def plugin_of():
+    """Factory `plugin_of(*implementations, name=...)` of plugin modules."""
+    return make_plugin
+
+
+@pytest.fixture
+def restore_registry():
+    """Reloads the process-wide registry from entry points after the test."""
+    yield
+    reset_default_registry(None)
+
+
+@pytest.fixture
+def install_registry(restore_registry):
+    """Installs a registry built from given plugins as the process-wide one; restores after."""
+
+    def install(*plugins: types.ModuleType) -> Registry:
+        registry = Registry()
+        for plugin in plugins:
+            registry.register(plugin)
+        reset_default_registry(registry)
+        return registry
+
+    return install
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch):
+    """No override from the developer's shell leaks into a test."""
+    for name in ("GLA_PLUGINS", "GLA_INTERPRET", "GLA_DETECT_RACES"):
+        monkeypatch.delenv(name, raising=False)
+    for op in ("SIMPLE_GLA", "GLA", "KDA", "KDA_GATE"):
+        monkeypatch.delenv(f"GLA_IMPL_{op}", raising=False)

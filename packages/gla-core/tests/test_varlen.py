@@ -1,0 +1,78 @@
+"""The packed-to-chunk layout of gla_core.varlen, checked against a plain Python construction."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gla_core.varlen import build_chunk_layout, from_chunks, num_padded_chunks, to_chunks
+
+
+def python_layout(boundaries: list[int], chunk: int):
+    """Per chunk: (sequence, first, last, length) for the non-padding chunks."""
+    chunks = []
+    for n, (start, end) in enumerate(itertools.pairwise(boundaries)):
+        length = end - start
+        count = -(-length // chunk)
+        for j in range(count):
+            chunks.append((n, int(j == 0), int(j == count - 1), min(chunk, length - j * chunk)))
+    return chunks
+
+
+@pytest.mark.parametrize(
+    ("boundaries", "chunk"),
+    [([0, 100], 64), ([0, 1, 1, 65, 130, 131], 64), ([0, 0, 0, 7], 16), ([0, 16, 32], 16), ([0, 5, 9, 200], 128)],
+)
+def test_layout_matches_python_construction(boundaries, chunk):
+    total = boundaries[-1]
+    layout = build_chunk_layout(jnp.array(boundaries, jnp.int32), total, chunk)
+    expected = python_layout(boundaries, chunk)
+    used = len(expected)
+    assert layout.num_chunks == num_padded_chunks(total, len(boundaries) - 1, chunk) >= used
+    got = list(
+        zip(
+            np.asarray(layout.chunk_sequence[:used]).tolist(),
+            np.asarray(layout.chunk_first[:used]).tolist(),
+            np.asarray(layout.chunk_last[:used]).tolist(),
+            np.asarray(layout.chunk_length[:used]).tolist(),
+            strict=True,
+        )
+    )
+    assert got == expected
+    assert not np.asarray(layout.chunk_length[used:]).any()
+    assert not np.asarray(layout.chunk_first[used:]).any() and not np.asarray(layout.chunk_last[used:]).any()
+    lengths = np.diff(boundaries)
+    np.testing.assert_array_equal(layout.sequence_length, lengths)
+    np.testing.assert_array_equal(layout.empty_sequence, lengths == 0)
+
+
+def test_round_trip_and_zero_padding():
+    boundaries = [0, 3, 3, 40, 41]
+    x = jnp.arange(41 * 2, dtype=jnp.float32).reshape(1, 41, 2) + 1
+    layout = build_chunk_layout(jnp.array(boundaries), 41, 16)
+    padded = to_chunks(x, layout)
+    assert padded.shape == (1, layout.padded_len, 2)
+    assert float(padded.sum()) == pytest.approx(float(x.sum()))
+    np.testing.assert_array_equal(from_chunks(padded, layout), x)
+    # every chunk holds tokens of one sequence, starting at its first slot
+    slots = np.asarray(padded[0, :, 0]).reshape(layout.num_chunks, 16)
+    assert slots[0, :3].tolist() == [1, 3, 5] and not slots[0, 3:].any()
+
+
+def test_changing_only_boundaries_does_not_recompile():
+    traces = []
+
+    @jax.jit
+    def layout_sum(cu):
+        traces.append(1)
+        layout = build_chunk_layout(cu, 50, 32)
+        return layout.chunk_length.sum(), layout.chunk_sequence
+
+    for boundaries in ([0, 10, 50], [0, 49, 50], [0, 0, 50]):
+        total, _ = layout_sum(jnp.array(boundaries, jnp.int32))
+        assert int(total) == 50
+    assert len(traces) == 1
