@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 import types
+from importlib import metadata
 
 import pytest
 
 from gla_core import Implementation, hookimpl
-from gla_core.registry import Registry, reset_default_registry
+from gla_core.registry import ENTRY_POINT_GROUP, Registry, reset_default_registry
 
 ALL_BACKENDS = frozenset({"cpu", "gpu", "tpu"})
 
@@ -71,3 +73,38 @@ def clean_environment(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     for op in ("SIMPLE_GLA", "GLA", "KDA", "KDA_GATE"):
         monkeypatch.delenv(f"GLA_IMPL_{op}", raising=False)
+
+
+@pytest.fixture
+def fake_entry_points(monkeypatch, tmp_path):
+    """Replaces the `gla` entry points by modules written to a temporary directory."""
+
+    def install(**modules: str) -> None:
+        points = []
+        for name, source in modules.items():
+            module_name = f"gla_fake_plugin_{name}"
+            (tmp_path / f"{module_name}.py").write_text(source)
+            points.append(metadata.EntryPoint(name=name, value=module_name, group=ENTRY_POINT_GROUP))
+            monkeypatch.delitem(sys.modules, module_name, raising=False)
+        monkeypatch.syspath_prepend(str(tmp_path))
+        monkeypatch.setattr(
+            metadata, "entry_points", lambda group=None: [p for p in points if group in (None, p.group)]
+        )
+
+    return install
+
+
+_GOOD_PLUGIN = """
+from gla_core import Implementation, hookimpl
+
+@hookimpl
+def gla_implementations():
+    return [Implementation(op="simple_gla", name="{name}", fn=lambda *a, **k: "{name}", priority={priority},
+                           backends={{"cpu"}}, package="{name}-package")]
+"""
+
+
+@pytest.fixture
+def good_plugin():
+    """Source of a plugin module registering one cpu implementation `name` of simple_gla."""
+    return lambda name, priority: _GOOD_PLUGIN.format(name=name, priority=priority)

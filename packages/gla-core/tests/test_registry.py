@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import sys
-from importlib import metadata
-
 import pytest
 
 from gla_core import hookimpl
 from gla_core.errors import RegistrationError
-from gla_core.registry import ENTRY_POINT_GROUP, Registry, default_registry, reset_default_registry
+from gla_core.registry import Registry, default_registry, reset_default_registry
 
 
 def test_registered_implementations_are_listed_by_op_then_priority(fake_impl, plugin_of):
@@ -82,38 +79,9 @@ def test_hook_that_raises_is_a_registration_error():
 # ------------------------------------------------------------------ entry points
 
 
-@pytest.fixture
-def fake_entry_points(monkeypatch, tmp_path):
-    """Replaces the `gla` entry points by modules written to a temporary directory."""
-
-    def install(**modules: str) -> None:
-        points = []
-        for name, source in modules.items():
-            module_name = f"gla_fake_plugin_{name}"
-            (tmp_path / f"{module_name}.py").write_text(source)
-            points.append(metadata.EntryPoint(name=name, value=module_name, group=ENTRY_POINT_GROUP))
-            monkeypatch.delitem(sys.modules, module_name, raising=False)
-        monkeypatch.syspath_prepend(str(tmp_path))
-        monkeypatch.setattr(
-            metadata, "entry_points", lambda group=None: [p for p in points if group in (None, p.group)]
-        )
-
-    return install
-
-
-GOOD_PLUGIN = """
-from gla_core import Implementation, hookimpl
-
-@hookimpl
-def gla_implementations():
-    return [Implementation(op="simple_gla", name="{name}", fn=lambda *a, **k: "{name}", priority={priority},
-                           backends={{"cpu"}}, package="{name}-package")]
-"""
-
-
-def test_plugin_that_raises_on_import_is_reported_and_skipped(fake_entry_points):
+def test_plugin_that_raises_on_import_is_reported_and_skipped(fake_entry_points, good_plugin):
     fake_entry_points(
-        good=GOOD_PLUGIN.format(name="good", priority=1),
+        good=good_plugin(name="good", priority=1),
         broken="raise ImportError('missing native library libfoo.so')",
     )
     registry = Registry()
@@ -124,10 +92,10 @@ def test_plugin_that_raises_on_import_is_reported_and_skipped(fake_entry_points)
     assert "import failed" in failure.error and "libfoo.so" in failure.error
 
 
-def test_plugin_that_conflicts_is_reported_and_the_others_load(fake_entry_points):
+def test_plugin_that_conflicts_is_reported_and_the_others_load(fake_entry_points, good_plugin):
     fake_entry_points(
-        first=GOOD_PLUGIN.format(name="first", priority=7),
-        second=GOOD_PLUGIN.format(name="second", priority=7),
+        first=good_plugin(name="first", priority=7),
+        second=good_plugin(name="second", priority=7),
     )
     registry = Registry()
     registry.load_entry_points()
@@ -135,10 +103,10 @@ def test_plugin_that_conflicts_is_reported_and_the_others_load(fake_entry_points
     assert registry.failures[0].plugin == "second" and "ties" in registry.failures[0].error
 
 
-def test_gla_plugins_restricts_which_entry_points_load(fake_entry_points, monkeypatch, restore_registry):
+def test_gla_plugins_restricts_which_entry_points_load(fake_entry_points, good_plugin, monkeypatch, restore_registry):
     fake_entry_points(
-        one=GOOD_PLUGIN.format(name="one", priority=1),
-        two=GOOD_PLUGIN.format(name="two", priority=2),
+        one=good_plugin(name="one", priority=1),
+        two=good_plugin(name="two", priority=2),
     )
     monkeypatch.setenv("GLA_PLUGINS", "one")
     reset_default_registry(None)

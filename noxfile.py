@@ -1,0 +1,117 @@
+"""Developer sessions. `nox -l` lists them; second runs reuse their virtualenvs.
+
+tests              every package's tests and the cross-package tests (oracle, interpret, lowering layers)
+tests-<package>    one package's tests, with only that package and its dependencies installed
+lint               ruff check and ruff format --check
+demo               `gla demo`: every op vs the float64 oracle on this backend
+bench              pytest-benchmark: every implementation side by side (JSON in .benchmarks/)
+tpu_compile        installs jax[tpu] and compiles kernels for compile-only v5e/v6e devices
+tpu_tests          the oracle and kernel tests compiled (no interpret mode) on a TPU host
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import pathlib
+
+import nox
+
+nox.options.reuse_existing_virtualenvs = True
+nox.options.sessions = ["lint", "tests"]
+
+ROOT = pathlib.Path(__file__).parent
+PYTHON = "3.11"
+JAX = "jax==0.10.2"
+PACKAGES = ("gla-core", "gla-ref", "gla-simple", "gla-fused", "gla-kda")
+# Each package and the packages its tests need (its own dependencies plus gla-ref, the oracle).
+TEST_DEPENDENCIES = {
+    "gla-core": ("gla-core", "gla-ref"),
+    "gla-ref": ("gla-core", "gla-ref"),
+    "gla-simple": ("gla-core", "gla-ref", "gla-simple"),
+    "gla-fused": ("gla-core", "gla-ref", "gla-simple", "gla-fused"),
+    "gla-kda": ("gla-core", "gla-ref", "gla-kda"),
+}
+TEST_TOOLS = ("pytest>=8", "hypothesis>=6.100", "pytest-benchmark>=4")
+
+
+def install_packages(session: nox.Session, packages=PACKAGES, jax_requirement: str = JAX) -> None:
+    """Installs the given workspace packages (editable) with the pinned JAX and the test tools."""
+    editable = [arg for name in packages for arg in ("-e", str(ROOT / "packages" / name))]
+    session.install(jax_requirement, *TEST_TOOLS, *editable)
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """All tests that run on this host (TPU-compile and TPU-host layers are skipped off their hosts)."""
+    install_packages(session)
+    session.run("pytest", *session.posargs)
+
+
+for _package in PACKAGES:
+
+    def _one_package(session: nox.Session, package: str = _package) -> None:
+        """Installs only the package and what its tests need, then runs its tests."""
+        install_packages(session, TEST_DEPENDENCIES[package])
+        session.run("pytest", f"packages/{package}/tests", *session.posargs)
+
+    _one_package.__doc__ = f"The tests of {_package} only."
+    nox.session(python=PYTHON, name=f"tests-{_package}")(_one_package)
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """ruff check and ruff format --check over the whole workspace."""
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(python=PYTHON)
+def demo(session: nox.Session) -> None:
+    """Every installed op through dispatch on this backend, checked against the float64 oracle."""
+    install_packages(session)
+    session.run("gla", "demo", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """Every implementation side by side (pytest-benchmark); JSON saved under .benchmarks/."""
+    install_packages(session)
+    benchmarks = sorted(glob.glob("packages/*/benchmarks"))
+    session.run(
+        "pytest",
+        *benchmarks,
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "python_files=bench_*.py",
+        "--benchmark-only",
+        "--benchmark-autosave",
+        "--benchmark-group-by=group",
+        "--benchmark-columns=min,median,mean,rounds",
+        *session.posargs,
+    )
+
+
+@nox.session(python=PYTHON)
+def tpu_compile(session: nox.Session) -> None:
+    """Lowers and compiles every kernel for compile-only v5e/v6e devices (installs jax[tpu])."""
+    install_packages(session, jax_requirement="jax[tpu]==0.10.2")
+    session.run("pytest", "-m", "tpu_compile", "-s", *session.posargs, env={"TPU_SKIP_MDS_QUERY": "1"})
+
+
+def _on_tpu_host() -> bool:
+    return bool(glob.glob("/dev/accel*")) or (os.path.isdir("/dev/vfio") and bool(os.listdir("/dev/vfio")))
+
+
+@nox.session(python=PYTHON)
+def tpu_tests(session: nox.Session) -> None:
+    """Oracle and kernel tests compiled for the real TPU (no interpret mode). Needs a TPU host."""
+    if not _on_tpu_host():
+        session.error(
+            "tpu_tests needs a TPU host (no /dev/accel* or /dev/vfio TPU device here). "
+            "On this machine run `nox -s tests` (kernels in TPU interpret mode) and `nox -s tpu_compile`."
+        )
+    install_packages(session, jax_requirement="jax[tpu]==0.10.2")
+    session.run("pytest", "-m", "not lowering and not tpu_compile", *session.posargs)

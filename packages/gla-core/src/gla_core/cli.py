@@ -1,0 +1,171 @@
+"""The `gla` command: `gla list`, `gla explain`, `gla demo`, `gla bench`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from gla_core.dispatch import explain
+from gla_core.errors import GlaError
+from gla_core.ops import DEFAULT_CHUNK_SIZE
+from gla_core.overrides import use
+from gla_core.records import OPS
+from gla_core.registry import default_registry
+
+
+def _table(header: Sequence[str], rows: list[Sequence[str]]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [header, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _backends(implementation) -> str:
+    names = ",".join(sorted(implementation.backends))
+    return names + (" (+interpret)" if implementation.interpretable else "")
+
+
+def command_list(args: argparse.Namespace) -> int:
+    """Prints every registered implementation, and the plugins that failed or were skipped."""
+    registry = default_registry()
+    rows = [(i.op, i.name, i.package, str(i.priority), _backends(i), i.description) for i in registry.implementations()]
+    print(_table(("op", "implementation", "package", "priority", "backends", "description"), rows))
+    missing = [op for op in OPS if not registry.implementations(op)]
+    if missing:
+        print(f"\nops without implementation: {', '.join(missing)}")
+    for failure in registry.failures:
+        print(f"\nplugin {failure.plugin!r} failed to load and was skipped: {failure.error}")
+    if registry.skipped:
+        print(f"\nplugins not loaded (not in GLA_PLUGINS): {', '.join(registry.skipped)}")
+    return 0
+
+
+def _shape_structs(args: argparse.Namespace) -> tuple[tuple, dict]:
+    """ShapeDtypeStructs for `gla explain` from the command-line shape options."""
+    dtype = jnp.dtype(args.dtype)
+    s = lambda *shape, dt=dtype: jax.ShapeDtypeStruct(shape, dt)
+    b, t, h, k, v = args.batch, args.seq_len, args.heads, args.key_dim, args.value_dim
+    hv = args.value_heads or h
+    kwargs: dict = {"chunk_size": args.chunk_size, "output_final_state": args.ht}
+    n = b
+    if args.varlen is not None:
+        kwargs["cu_seqlens"] = s(args.varlen + 1, dt=jnp.int32)
+        n = args.varlen
+    if args.op == "kda_gate":
+        kwargs = {"A_log": s(hv, dt=jnp.float32)}
+        if args.dt_bias:
+            kwargs["dt_bias"] = s(hv * k, dt=jnp.float32)
+        if args.lower_bound is not None:
+            kwargs["lower_bound"] = args.lower_bound
+        return (s(b, t, hv, k),), kwargs
+    if args.h0:
+        kwargs["initial_state"] = s(n, hv if args.op == "kda" else h, k, v, dt=jnp.float32)
+    if args.op == "simple_gla":
+        for gate in args.gates.split(",") if args.gates else ():
+            kwargs[gate] = s(b, t, h) if gate == "g" else s(h)
+        return (s(b, t, h, k), s(b, t, h, k), s(b, t, h, v)), kwargs
+    if args.op == "gla":
+        kwargs["gk"] = s(b, t, h, k)
+        return (s(b, t, h, k), s(b, t, h, k), s(b, t, h, v)), kwargs
+    kwargs.update(g=s(b, t, hv, k), beta=s(b, t, hv), use_qk_l2norm_in_kernel=args.l2norm)
+    if args.gate_in_kernel:
+        kwargs.update(use_gate_in_kernel=True, A_log=s(hv, dt=jnp.float32))
+        if args.dt_bias:
+            kwargs["dt_bias"] = s(hv * k, dt=jnp.float32)
+        if args.lower_bound is not None:
+            kwargs["lower_bound"] = args.lower_bound
+    return (s(b, t, h, k), s(b, t, h, k), s(b, t, hv, v)), kwargs
+
+
+def command_explain(args: argparse.Namespace) -> int:
+    """Prints every candidate for the described call, accepted or declined, and the winner."""
+    arrays, kwargs = _shape_structs(args)
+    with use(backend=args.backend, interpret=args.interpret or None):
+        resolution = explain(args.op, *arrays, **kwargs)
+    print(resolution)
+    return 0 if resolution.winner is not None else 1
+
+
+def command_demo(args: argparse.Namespace) -> int:
+    """Runs every installed op through dispatch, checked against the float64 oracle."""
+    from gla_core.demo import run_demo
+
+    print(f"gla demo on backend {jax.default_backend()} ({jax.devices()[0].device_kind})", flush=True)
+    table, passed = run_demo(run_all=args.all, timing=not args.no_timing, ops=tuple(args.op) if args.op else None)
+    print(table)
+    print("\nall checks passed" if passed else "\nSOME CHECKS FAILED (see rows marked FAIL)")
+    return 0 if passed else 1
+
+
+def command_bench(args: argparse.Namespace) -> int:
+    """Times every implementation that runs here, side by side."""
+    from gla_core.bench import format_timings, plot_timings, run_bench
+
+    print(f"gla bench on backend {jax.default_backend()}: B=1 H=4 K=V=128 float32", flush=True)
+    timings = run_bench(ops=tuple(args.op or OPS), seq_lens=tuple(args.seq_lens), skip=tuple(args.skip or ()))
+    print(format_timings(timings))
+    if args.plot:
+        plot_timings(timings, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gla", description="Gated linear attention kernels: registry and demo.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    listing = commands.add_parser("list", help="registered implementations and plugin failures")
+    listing.set_defaults(run=command_list)
+
+    ex = commands.add_parser("explain", help="which implementation serves a call, and why the others decline")
+    ex.add_argument("op", choices=OPS)
+    ex.add_argument("-B", "--batch", type=int, default=1)
+    ex.add_argument("-T", "--seq-len", type=int, default=4096)
+    ex.add_argument("-H", "--heads", type=int, default=16)
+    ex.add_argument("-K", "--key-dim", type=int, default=128)
+    ex.add_argument("-V", "--value-dim", type=int, default=128)
+    ex.add_argument("--value-heads", type=int, default=None, help="kda: HV, a multiple of H")
+    ex.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    ex.add_argument("--gates", default="g", help="simple_gla: comma-separated subset of g,g_gamma (empty: none)")
+    ex.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE)
+    ex.add_argument("--varlen", type=int, metavar="N", default=None, help="packed input of N sequences (B must be 1)")
+    ex.add_argument("--h0", action="store_true", help="pass an initial_state")
+    ex.add_argument("--ht", action="store_true", help="request the final state")
+    ex.add_argument("--l2norm", action="store_true", help="kda: use_qk_l2norm_in_kernel")
+    ex.add_argument("--gate-in-kernel", action="store_true", help="kda: use_gate_in_kernel with A_log")
+    ex.add_argument("--dt-bias", action="store_true", help="kda/kda_gate: pass dt_bias")
+    ex.add_argument("--lower-bound", type=float, default=None)
+    ex.add_argument("--backend", choices=("cpu", "gpu", "tpu"), default=None, help="target backend (default: JAX's)")
+    ex.add_argument("--interpret", action="store_true", help="allow Pallas TPU kernels in interpret mode")
+    ex.set_defaults(run=command_explain)
+
+    demo = commands.add_parser("demo", help="every op on this backend vs the float64 oracle, with timings")
+    demo.add_argument("--all", action="store_true", help="run every accepting implementation, not only the chosen")
+    demo.add_argument("--no-timing", action="store_true", help="skip the timing against `reference`")
+    demo.add_argument("--op", action="append", choices=OPS, help="only this op (repeatable)")
+    demo.set_defaults(run=command_demo)
+
+    bench = commands.add_parser("bench", help="every implementation that runs here, side by side")
+    bench.add_argument("--op", action="append", choices=OPS, help="only this op (repeatable)")
+    bench.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096], metavar="T")
+    bench.add_argument("--skip", action="append", metavar="IMPL", help="skip an implementation (repeatable)")
+    bench.add_argument("--plot", metavar="FILE.png", help="also plot time against T (needs matplotlib)")
+    bench.set_defaults(run=command_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except GlaError as error:
+        print(f"gla {args.command}: {type(error).__name__}: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

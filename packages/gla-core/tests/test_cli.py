@@ -1,0 +1,102 @@
+"""The `gla` command line: list, explain, demo and bench, on fake or oracle-backed implementations."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import pytest
+
+from gla_core import cli
+from gla_core.demo import SCENARIOS, run_demo
+from gla_core.registry import reset_default_registry
+from gla_ref import recurrent
+
+
+@pytest.fixture
+def oracle_backed(install_registry, fake_impl, plugin_of):
+    """simple_gla served by a correct implementation (the recurrence), a wrong one and `reference`."""
+
+    def correct(q, k, v, *, interpret, chunk_size, **kwargs):
+        o, ht = recurrent.simple_gla(q, k, v, **kwargs)
+        return o.astype(v.dtype), ht
+
+    def wrong(q, k, v, *, interpret, chunk_size, **kwargs):
+        o, ht = correct(q, k, v, interpret=interpret, chunk_size=chunk_size, **kwargs)
+        return o * 1.01, ht
+
+    make = lambda name, priority, fn: dataclasses.replace(fake_impl(name, priority), fn=fn)
+    install_registry(
+        plugin_of(make("good", 50, correct), make("bad", 20, wrong), make("reference", 0, correct)),
+    )
+
+
+def test_list_shows_implementations_and_failures(fake_entry_points, good_plugin, restore_registry, capsys):
+    fake_entry_points(xla=good_plugin("xla", 50), broken="raise ImportError('no libfoo')")
+    reset_default_registry(None)
+    assert cli.main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "simple_gla" in out and "xla" in out and "xla-package" in out
+    assert "plugin 'broken' failed to load" in out and "ImportError: no libfoo" in out
+    assert "ops without implementation: gla, kda, kda_gate" in out
+
+
+def test_explain_prints_every_candidate(install_registry, fake_impl, plugin_of, capsys):
+    install_registry(
+        plugin_of(fake_impl("chunk", 100, backends={"tpu"}, interpretable=True), fake_impl("xla", 50)),
+    )
+    assert (
+        cli.main(["explain", "simple_gla", "-T", "100", "--varlen", "3", "--h0", "--ht", "--gates", "g,g_gamma"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "varlen N=3" in out and "gates=g+g_gamma" in out
+    assert "declined: runs on tpu" in out and "interpret=True" in out
+    assert "chosen: xla" in out
+    assert cli.main(["explain", "simple_gla", "--backend", "tpu"]) == 0
+    assert "chosen: chunk" in capsys.readouterr().out
+
+
+def test_explain_reports_bad_shapes_as_errors(install_registry, fake_impl, plugin_of, capsys):
+    install_registry(plugin_of(fake_impl("xla", 50)))
+    assert cli.main(["explain", "kda", "-H", "4", "--value-heads", "6"]) == 2
+    assert "ShapeError" in capsys.readouterr().err
+
+
+def test_demo_checks_the_chosen_implementation_against_the_oracle(oracle_backed):
+    table, passed = run_demo(timing=False, ops=("simple_gla",))
+    assert passed
+    assert table.count("good") == len([s for s in SCENARIOS if s.op == "simple_gla"])
+    assert "bad" not in table
+
+
+def test_demo_marks_a_wrong_implementation_as_failed(oracle_backed):
+    table, passed = run_demo(run_all=True, timing=False, ops=("simple_gla",))
+    assert not passed
+    bad_rows = [line for line in table.splitlines() if " bad " in line]
+    assert bad_rows and all("FAIL" in line for line in bad_rows)
+    assert all("ok" in line for line in table.splitlines() if " good " in line)
+
+
+def test_demo_times_against_reference(oracle_backed, monkeypatch):
+    monkeypatch.setattr("gla_core.demo.SCENARIOS", SCENARIOS[:1])
+    table, passed = run_demo(timing=True, ops=("simple_gla",))
+    assert passed and " ms" in table and "x faster" in table
+
+
+def test_bench_times_every_accepting_implementation(oracle_backed, capsys, monkeypatch):
+    monkeypatch.setattr("gla_core.bench.PROBLEM", dict(batch=1, num_heads=1, key_dim=8, value_dim=8))
+    assert cli.main(["bench", "--op", "simple_gla", "--seq-lens", "16", "32"]) == 0
+    out = capsys.readouterr().out
+    for name in ("good", "bad", "reference"):
+        assert out.count(f" {name} ") == 4  # two T x two stages
+    assert "1.00x" in out
+
+
+def test_kda_explain_builds_every_kda_argument(install_registry, fake_impl, plugin_of, capsys):
+    seen = []
+    install_registry(plugin_of(fake_impl("xla", 50, op="kda", supports=lambda call: seen.append(call))))
+    argv = ["explain", "kda", "-H", "2", "--value-heads", "4", "--gate-in-kernel", "--dt-bias", "--lower-bound", "-5"]
+    assert cli.main([*argv, "--l2norm", "--dtype", "float32"]) == 0
+    (call,) = seen
+    assert call.num_value_heads == 4 and call.dtype == str(jnp.dtype("float32"))
+    assert call.option("use_gate_in_kernel") and call.option("has_dt_bias") and call.option("has_lower_bound")
