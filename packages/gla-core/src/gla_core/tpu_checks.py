@@ -1,15 +1,18 @@
 """Checks that a function lowers and compiles for TPU from a host without one.
 
 `export_for_tpu` runs `jax.export` for `platforms=["tpu"]` (needs nothing but jax);
-`compile_for_tpu` compiles for a libtpu compile-only device (needs `jax[tpu]`) and reports
-the scoped VMEM Mosaic reserved for every Pallas kernel and XLA's temp memory. Both take
-`jax.ShapeDtypeStruct`s, so production shapes cost no host memory.
+`compile_for_tpu` compiles for a libtpu compile-only device (needs `jax[tpu]`) and reports,
+for every Pallas (Mosaic) kernel, the scoped VMEM it reserved and its `pl.CostEstimate`, plus
+XLA's temp memory for the whole program. Both take `jax.ShapeDtypeStruct`s, so production
+shapes cost no host memory. Kernels are named by the innermost `jax.named_scope` around their
+`pallas_call` (launchers wrap each call in one).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -19,8 +22,24 @@ import jax
 from gla_core.overrides import use
 
 TOPOLOGIES = {"v5e": "v5e:2x2", "v6e": "v6e:2x2"}
-_SCOPED_VMEM = re.compile(r'"used_scoped_memory_configs":\[(.*?)\]')
-_SCOPED_SIZE = re.compile(r'"size":"(\d+)"')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelReport:
+    """One Mosaic kernel of a compiled program.
+
+    Attributes:
+      name: the innermost named scope around its pallas_call ("pallas_call" when none).
+      scoped_vmem_bytes: scoped VMEM Mosaic reserved for it.
+      flops, transcendentals, bytes_accessed: its `pl.CostEstimate` (None without one).
+    """
+
+    name: str
+    scoped_vmem_bytes: int
+    flops: int | None = None
+    transcendentals: int | None = None
+    bytes_accessed: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,16 +49,52 @@ class CompileReport:
     Attributes:
       chip: "v5e" or "v6e".
       temp_bytes: XLA's `memory_analysis().temp_size_in_bytes` (HBM scratch of the program).
-      scoped_vmem_bytes: scoped VMEM reserved by each Mosaic kernel, in program order.
+      kernels: every Mosaic kernel, in program order.
     """
 
     chip: str
     temp_bytes: int
-    scoped_vmem_bytes: tuple[int, ...]
+    kernels: tuple[KernelReport, ...]
+
+    @property
+    def scoped_vmem_bytes(self) -> tuple[int, ...]:
+        """Scoped VMEM of each kernel, in program order."""
+        return tuple(k.scoped_vmem_bytes for k in self.kernels)
 
     def summary(self) -> str:
-        kib = ", ".join(f"{b / 1024:.0f}" for b in self.scoped_vmem_bytes) or "none"
+        kib = ", ".join(f"{k.name} {k.scoped_vmem_bytes / 1024:.0f}" for k in self.kernels) or "none"
         return f"{self.chip}: temp {self.temp_bytes / 2**20:.1f} MiB, scoped VMEM per kernel [KiB]: {kib}"
+
+
+def _kernel_name(line: str) -> str:
+    match = _OP_NAME.search(line)
+    if match is None:
+        return "pallas_call"
+    transforms = ("jit(", "jvp(", "transpose(", "vmap(", "checkpoint")
+    scopes = [s for s in match.group(1).split("/") if s and s != "pallas_call" and not s.startswith(transforms)]
+    return scopes[-1] if scopes else "pallas_call"
+
+
+def _backend_config(line: str) -> dict:
+    start = line.index("backend_config=") + len("backend_config=")
+    config, _ = json.JSONDecoder().raw_decode(line[start:])
+    return config
+
+
+def kernel_reports(hlo_text: str) -> tuple[KernelReport, ...]:
+    """Every Mosaic custom call in compiled HLO text, with its scoped VMEM and cost estimate."""
+    reports = []
+    for line in hlo_text.splitlines():
+        if 'custom_call_target="tpu_custom_call"' not in line or "backend_config=" not in line:
+            continue
+        config = _backend_config(line)
+        scoped = sum(int(c.get("size", 0)) for c in config.get("used_scoped_memory_configs", []))
+        cost = config.get("custom_call_config", {}).get("cost_estimate") or {}
+        flops, transcendentals, bytes_accessed = (
+            int(cost[key]) if key in cost else None for key in ("flops", "transcendentals", "bytes_accessed")
+        )
+        reports.append(KernelReport(_kernel_name(line), scoped, flops, transcendentals, bytes_accessed))
+    return tuple(reports)
 
 
 def export_for_tpu(fn: Callable[..., Any], *args: jax.ShapeDtypeStruct) -> jax.export.Exported:
@@ -57,15 +112,6 @@ def _compile_only_device(chip: str):
     return topologies.get_topology_desc(TOPOLOGIES[chip], "tpu").devices[0]
 
 
-def scoped_vmem_bytes(hlo_text: str) -> tuple[int, ...]:
-    """Scoped VMEM sizes of the Mosaic custom calls in compiled HLO text."""
-    sizes = []
-    kernels = (line for line in hlo_text.splitlines() if "tpu_custom_call" in line)
-    for match in (m for line in kernels for m in _SCOPED_VMEM.finditer(line)):
-        sizes.append(sum(int(s) for s in _SCOPED_SIZE.findall(match.group(1))))
-    return tuple(sizes)
-
-
 def compile_for_tpu(fn: Callable[..., Any], args: Sequence[jax.ShapeDtypeStruct], chip: str = "v6e") -> CompileReport:
     """Compiles `fn(*args)` for a compile-only TPU device of `chip` and reports memory use."""
     device = _compile_only_device(chip)
@@ -74,4 +120,4 @@ def compile_for_tpu(fn: Callable[..., Any], args: Sequence[jax.ShapeDtypeStruct]
     with use(backend="tpu", interpret=False):
         compiled = jax.jit(fn).lower(*placed).compile()
     memory = compiled.memory_analysis()
-    return CompileReport(chip, int(memory.temp_size_in_bytes), scoped_vmem_bytes(compiled.as_text()))
+    return CompileReport(chip, int(memory.temp_size_in_bytes), kernel_reports(compiled.as_text()))
