@@ -101,6 +101,14 @@ def tpu_compile(session: nox.Session) -> None:
     session.run("pytest", "-m", "tpu_compile", "-s", *session.posargs, env={"TPU_SKIP_MDS_QUERY": "1"})
 
 
+@nox.session(python=PYTHON)
+def cost(session: nox.Session) -> None:
+    """Writes docs/perf/tpu-cost.md: compiler cost estimates of every TPU implementation (installs jax[tpu])."""
+    install_packages(session, jax_requirement="jax[tpu]==0.10.2")
+    arguments = session.posargs or ["--cycles", "--output", "docs/perf/tpu-cost.md"]
+    session.run("gla", "cost", *arguments, env={"TPU_SKIP_MDS_QUERY": "1"})
+
+
 def _on_tpu_host() -> bool:
     return bool(glob.glob("/dev/accel*")) or (os.path.isdir("/dev/vfio") and bool(os.listdir("/dev/vfio")))
 

@@ -1,4 +1,4 @@
-"""The `gla` command: `gla list`, `gla explain`, `gla demo`, `gla bench`."""
+"""The `gla` command: `gla list`, `gla explain`, `gla demo`, `gla bench`, `gla cost`."""
 
 from __future__ import annotations
 
@@ -114,6 +114,23 @@ def command_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def command_cost(args: argparse.Namespace) -> int:
+    """Compiles every TPU implementation for compile-only TPU devices and writes the cost report."""
+    from gla_core.cost import CHIPS, measure, production_problems, render_markdown
+    from gla_core.progress import progress
+
+    problems = [p for p in production_problems() if not args.op or p.op in args.op]
+    rows = measure(problems, chips=tuple(args.chip or CHIPS), progress=progress, cycles=args.cycles)
+    report = render_markdown(rows)
+    if args.output:
+        with open(args.output, "w") as stream:
+            stream.write(report + "\n")
+        print(f"report written to {args.output}")
+    else:
+        print(report)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gla", description="Gated linear attention kernels: registry and demo.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -155,6 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--skip", action="append", metavar="IMPL", help="skip an implementation (repeatable)")
     bench.add_argument("--plot", metavar="FILE.png", help="also plot time against T (needs matplotlib)")
     bench.set_defaults(run=command_bench)
+
+    cost = commands.add_parser("cost", help="TPU compiler cost report (needs jax[tpu] for compile-only devices)")
+    cost.add_argument("--op", action="append", choices=OPS, help="only this op (repeatable)")
+    cost.add_argument("--chip", action="append", choices=("v5e", "v6e"), help="only this chip (repeatable)")
+    cost.add_argument("--output", metavar="FILE.md", help="write the markdown report here")
+    cost.add_argument("--cycles", action="store_true", help="also fit libtpu static cycle estimates (v6e, slow)")
+    cost.set_defaults(run=command_cost)
     return parser
 
 

@@ -1,0 +1,99 @@
+"""Static cycle estimates of Pallas kernels from libtpu, extrapolated to production lengths.
+
+libtpu writes its static LLO profile (estimated cycles per HLO op, Mosaic kernels included)
+when `LIBTPU_INIT_ARGS=--xla_jf_dump_static_llo_profile_to=DIR` is set at start-up. The flag
+is process-wide and a failing compile can abort the process, so each compile runs in a
+subprocess. Large grids are slow to compile, so kernels are compiled at a few short sequence
+lengths and their cycles fitted linearly in T (the time grid axis), then extrapolated; the
+fit and its points are reported. Compiler estimates, not measurements.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+
+import numpy as np
+
+FIT_SEQ_LENS = (256, 512, 1024)
+_ESTIMATE = re.compile(r'hlo_op_name:\s*"([^"]+)"\s*estimated_cycles:\s*(\d+)')
+
+
+@dataclasses.dataclass(frozen=True)
+class CycleFit:
+    """cycles(T) ≈ intercept + slope * T for one kernel, from compiles at `points` [(T, cycles)]."""
+
+    kernel: str
+    intercept: float
+    slope: float
+    points: tuple[tuple[int, int], ...]
+
+    def at(self, seq_len: int) -> float:
+        return self.intercept + self.slope * seq_len
+
+
+def parse_profiles(directory: pathlib.Path) -> dict[str, int]:
+    """Estimated cycles per HLO op name ("name.N" suffixes dropped, repeats summed)."""
+    cycles: dict[str, int] = {}
+    for path in sorted(directory.glob("*static_llo_profile*")):
+        for name, value in _ESTIMATE.findall(path.read_text()):
+            base = re.sub(r"\.\d+$", "", name)
+            cycles[base] = cycles.get(base, 0) + int(value)
+    return cycles
+
+
+def _compile_in_subprocess(spec: dict, directory: pathlib.Path) -> None:
+    env = dict(
+        os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1", LIBTPU_INIT_ARGS=f"--xla_jf_dump_static_llo_profile_to={directory}"
+    )
+    command = [sys.executable, "-m", "gla_core.cycles", json.dumps(spec)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800, check=False)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        raise RuntimeError(f"compile subprocess failed ({done.returncode}): {' | '.join(tail)}")
+
+
+def kernel_cycles(spec: dict, kernels: Sequence[str], seq_lens: Sequence[int] = FIT_SEQ_LENS) -> list[CycleFit]:
+    """Fits each named kernel's static cycles linearly in T from compiles at `seq_lens`.
+
+    `spec` describes the forward or training step to compile (see `_main`); `kernels` are the
+    named scopes of the Pallas kernels to fit.
+    """
+    samples: dict[str, list[tuple[int, int]]] = {k: [] for k in kernels}
+    for seq_len in seq_lens:
+        with tempfile.TemporaryDirectory() as tmp:
+            _compile_in_subprocess({**spec, "seq_len": seq_len}, pathlib.Path(tmp))
+            cycles = parse_profiles(pathlib.Path(tmp))
+        for kernel in kernels:
+            if kernel in cycles:
+                samples[kernel].append((seq_len, cycles[kernel]))
+    fits = []
+    for kernel, points in samples.items():
+        if len(points) >= 2:
+            slope, intercept = np.polyfit([t for t, _ in points], [c for _, c in points], 1)
+            fits.append(CycleFit(kernel, float(intercept), float(slope), tuple(points)))
+    return fits
+
+
+def _main(spec: dict) -> None:
+    """Compiles one program for a compile-only v6e device (run in a subprocess)."""
+    from gla_core import cost
+    from gla_core.tpu_checks import compile_for_tpu
+
+    problem = cost.attention_problem(spec["op"], spec["batch"], spec["seq_len"], spec["heads"], gate=spec["gate"])
+    values = [cost._struct_of(problem, n) for n in problem.differentiable]
+    if spec["stage"] == "fwd":
+        compile_for_tpu(cost.forward_fn(problem, spec["impl"]), values, chip="v6e")
+    else:
+        compile_for_tpu(cost.training_step_fn(problem, spec["impl"]), [*values, problem.arrays[2]], chip="v6e")
+
+
+if __name__ == "__main__":
+    _main(json.loads(sys.argv[1]))
