@@ -1,0 +1,567 @@
+"""Test helpers shared by every gla package: cases, the float64 oracle, error measures, tolerances.
+
+A test builds a `Case` with `make_case`, then checks an implementation against the oracle:
+
+  >>> case = make_case("simple_gla", seq_len=100, initial_state=True, output_final_state=True)
+  >>> fn = lambda **kw: gla_core.dispatch("simple_gla", impl="chunk", **kw)
+  >>> check_against_oracle(fn, case)          # outputs and every gradient, default tolerance
+
+The oracle is the token-by-token recurrence of `gla_ref.recurrent` run in float64 under a
+scoped `jax.enable_x64(True)`, on the case's inputs cast up from their dtype (so rounding the
+inputs to bf16 is not counted as error). The function under test runs in the ambient
+precision mode (float32/bf16 normally). Both get the same seeded cotangents, so gradients
+are compared as vector-Jacobian products for every input in `case.differentiable`.
+
+Errors are relative to the largest reference magnitude of each tensor:
+`max|x - ref| / max|ref|`, computed in float64.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gla_ref import recurrent
+
+ATTENTION_OPS = ("simple_gla", "gla", "kda")
+OPS = (*ATTENTION_OPS, "kda_gate")
+
+
+# --------------------------------------------------------------------------- tolerances
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """Largest accepted relative error for outputs and for gradients, and why."""
+
+    output: float
+    grad: float
+    reason: str
+
+
+TOLERANCES: dict[str, Tolerance] = {
+    "float32": Tolerance(
+        output=1e-5,
+        grad=1e-4,
+        reason=(
+            "float32 keeps 24 significand bits (unit roundoff 6e-8); chunked kernels sum up to a few hundred "
+            "products per element, so errors of ~1e-6 of max|ref| are expected for outputs. Gradients go "
+            "through two such products and sums over the whole sequence, hence 10x looser."
+        ),
+    ),
+    "bfloat16": Tolerance(
+        output=2e-2,
+        grad=5e-2,
+        reason=(
+            "bfloat16 keeps 8 significand bits (unit roundoff 2^-9 = 2e-3). Inputs are rounded identically "
+            "for the oracle, but the output is stored in bf16 (up to 2e-3 of max|ref| by itself) and kernels "
+            "feed bf16 operands to the matrix unit (q.k, attention.v, decay-scaled k), each a relative 2^-9 "
+            "perturbation summed over up to chunk_size terms. Gradients chain two such products and their "
+            "sums over T and are stored in bf16 too, hence the looser gradient bound."
+        ),
+    ),
+}
+
+
+def tolerance_for(dtype) -> Tolerance:
+    """The default tolerance of a dtype (bfloat16 or float32; float64 uses the float32 one)."""
+    name = jnp.dtype(dtype).name
+    if name == "float64":
+        name = "float32"
+    if name not in TOLERANCES:
+        raise KeyError(f"no default tolerance for dtype {name}; known: {sorted(TOLERANCES)}")
+    return TOLERANCES[name]
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def _as_float64(x) -> np.ndarray:
+    return np.asarray(jax.device_get(x)).astype(np.float64)
+
+
+def relative_error(x, ref) -> float:
+    """`max|x - ref| / max|ref|` in float64.
+
+    0 when both are identical (also for an all-zero or empty `ref`), inf when `ref` is all
+    zeros but `x` is not, or when `x` has a NaN or an infinity.
+    """
+    x, ref = _as_float64(x), _as_float64(ref)
+    if x.shape != ref.shape:
+        raise ValueError(f"relative_error: shapes differ, got {x.shape} and reference {ref.shape}")
+    if x.size == 0:
+        return 0.0
+    if not np.isfinite(x).all():
+        return float("inf")
+    diff = float(np.max(np.abs(x - ref)))
+    scale = float(np.max(np.abs(ref)))
+    if diff == 0.0:
+        return 0.0
+    if scale == 0.0:
+        return float("inf")
+    return diff / scale
+
+
+def describe_mismatch(name: str, x, ref, tol: float) -> str:
+    """One line: tensor name, relative error vs tolerance, and the worst element with both values."""
+    x64, ref64 = _as_float64(x), _as_float64(ref)
+    error = relative_error(x64, ref64)
+    line = f"{name}: relative error {error:.3e} > tol {tol:.1e} (shape {x64.shape}, max|ref| {np.abs(ref64).max():.4g})"
+    if x64.size == 0:
+        return line
+    bad = ~np.isfinite(x64)
+    worst = np.argmax(bad) if bad.any() else np.argmax(np.abs(x64 - ref64))
+    index = tuple(int(i) for i in np.unravel_index(worst, x64.shape))
+    return f"{line}; worst at index {index}: got {x64[index]:.6g}, expected {ref64[index]:.6g}"
+
+
+def assert_close(name: str, x, ref, tol: float) -> None:
+    """Raises AssertionError naming the tensor, its error, `tol` and the worst element when too far."""
+    error = relative_error(x, ref)
+    if not error <= tol:
+        raise AssertionError(describe_mismatch(name, x, ref, tol))
+
+
+# --------------------------------------------------------------------------- cases
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One test problem.
+
+    Attributes:
+      op: "simple_gla", "gla", "kda" or "kda_gate".
+      inputs: every array argument by its op keyword name (q, k, v, g, g_gamma, gk, beta,
+        initial_state, A_log, dt_bias; kda_gate: g, A_log, dt_bias). Absent options are absent.
+      options: everything else (scale, output_final_state, cu_seqlens as an int32 array or None,
+        chunk_size, use_* flags, lower_bound).
+      differentiable: names in `inputs` that get gradients (every float input).
+      label: short human description.
+    """
+
+    op: str
+    inputs: dict[str, jax.Array]
+    options: dict[str, Any]
+    differentiable: tuple[str, ...]
+    label: str
+
+    def kwargs(self) -> dict[str, Any]:
+        """`{**inputs, **options}`: call `fn(**case.kwargs())`."""
+        return {**self.inputs, **self.options}
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        """dtype of the main input (q; g for kda_gate): selects the default tolerance."""
+        return jnp.dtype(self.inputs["g" if self.op == "kda_gate" else "q"].dtype)
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        """Names of the compared outputs: ("o",) or ("o", "final_state"); ("gate",) for kda_gate."""
+        if self.op == "kda_gate":
+            return ("gate",)
+        return ("o", "final_state") if self.options.get("output_final_state") else ("o",)
+
+    def __repr__(self) -> str:
+        return f"Case({self.label})"
+
+
+def alibi_g_gamma(num_heads: int) -> np.ndarray:
+    """ALiBi-slope log decays `-(2 ** (-8 (h + 1) / H))`, `[H]` float32, all negative."""
+    heads = np.arange(1, num_heads + 1, dtype=np.float64)
+    return (-(2.0 ** (-8.0 * heads / num_heads))).astype(np.float32)
+
+
+def random_cu_seqlens(total_len: int, num_sequences: int, rng: np.random.Generator, allow_empty: bool = True):
+    """Random boundaries `[0, ..., total_len]` of `num_sequences` packed sequences.
+
+    With `allow_empty`, cut points are drawn with replacement from [0, total_len], so
+    zero-length sequences occur; otherwise every sequence has at least one token.
+    """
+    if num_sequences < 1:
+        raise ValueError(f"num_sequences: expected >= 1, got {num_sequences}")
+    if allow_empty:
+        cuts = rng.integers(0, total_len + 1, size=num_sequences - 1)
+    else:
+        if total_len < num_sequences:
+            raise ValueError(f"total_len: {num_sequences} non-empty sequences need >= {num_sequences} tokens")
+        cuts = rng.choice(np.arange(1, total_len), size=num_sequences - 1, replace=False)
+    return [0, *sorted(int(c) for c in cuts), int(total_len)]
+
+
+def _log_sigmoid(x: np.ndarray) -> np.ndarray:
+    return -np.logaddexp(0.0, -x)
+
+
+def _decays(rng: np.random.Generator, shape, gate_scale: float) -> np.ndarray:
+    """Log decays `gate_scale * log_sigmoid(x)`, x ~ N(2, 2) clipped at -5: in about [-5 gate_scale, 0).
+
+    Most steps decay slowly (median exp(g) ~ 0.88) so states carry across chunks; some
+    decay fast (down to exp(-5)).
+    """
+    x = np.clip(rng.normal(2.0, 2.0, size=shape), -5.0, None)
+    return gate_scale * _log_sigmoid(x)
+
+
+def _normal(rng, shape) -> np.ndarray:
+    return rng.standard_normal(size=shape)
+
+
+def make_case(
+    op: str,
+    *,
+    batch: int = 1,
+    seq_len: int = 64,
+    num_heads: int = 2,
+    key_dim: int = 32,
+    value_dim: int = 32,
+    num_value_heads: int | None = None,
+    dtype=jnp.float32,
+    gates=None,
+    initial_state: bool = False,
+    output_final_state: bool = False,
+    cu_seqlens=None,
+    chunk_size: int = 64,
+    scale: float | None = None,
+    seed: int = 0,
+    gate_scale: float = 1.0,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    dt_bias: bool = True,
+    lower_bound: float | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+) -> Case:
+    """A realistic random problem for `op`.
+
+    Data (numpy generator seeded by `seed`, then cast to `dtype`):
+      q, k, v ~ N(0, 1). For kda without `use_qk_l2norm_in_kernel`, k rows are normalized to
+        unit length so each delta-rule step `I - beta k k^T` is a contraction (stable states).
+      Log decays g / gk (and kda's g): `gate_scale * log_sigmoid(x)`, x ~ N(2, 2) clipped at -5,
+        so in about [-5 gate_scale, 0); g_gamma: `gate_scale * alibi_g_gamma(H)` (float32).
+      kda beta: sigmoid(N(0, 1.5)) in (0, 1), or the raw logits N(0, 1.5) when
+        `use_beta_sigmoid_in_kernel`.
+      In-kernel kda gate (`use_gate_in_kernel`, and the kda_gate op): raw g ~ N(0, 1),
+        A_log ~ U(-1, 0.5) + log(gate_scale) (float32 [HV]), dt_bias ~ N(-1, 0.5) (float32
+        [HV*K], present when `dt_bias`), so typical decays are about -0.5 per step.
+      initial_state ~ N(0, 1), float32 `[N, HV, K, V]`.
+    Gates and beta have the case's dtype; g_gamma, A_log, dt_bias and states are float32.
+
+    Args:
+      op: "simple_gla", "gla", "kda" or "kda_gate".
+      gates: simple_gla only: subset of ("g", "g_gamma"), default ("g",); () for no decay.
+      num_value_heads: kda (and kda_gate) only: HV, a multiple of num_heads (default num_heads).
+        For kda_gate the gate has `num_value_heads or num_heads` heads.
+      cu_seqlens: list of boundaries `[0, ..., seq_len]` (batch must be 1) or None.
+      Others: the op's options, stored in `case.options`.
+    """
+    if op not in OPS:
+        raise ValueError(f"op: expected one of {OPS}, got {op!r}")
+    heads_v = num_heads if num_value_heads is None else num_value_heads
+    if op in ("simple_gla", "gla") and heads_v != num_heads:
+        raise ValueError(f"num_value_heads: grouped value heads are kda-only, got {heads_v} for {op}")
+    if heads_v % num_heads:
+        raise ValueError(f"num_value_heads: expected a multiple of num_heads = {num_heads}, got {heads_v}")
+    if cu_seqlens is not None:
+        cu_seqlens = [int(c) for c in cu_seqlens]
+        if batch != 1:
+            raise ValueError(f"cu_seqlens: packed sequences need batch == 1, got batch = {batch}")
+        if cu_seqlens[0] != 0 or cu_seqlens[-1] != seq_len or any(b < a for a, b in itertools.pairwise(cu_seqlens)):
+            raise ValueError(f"cu_seqlens: expected non-decreasing [0, ..., seq_len={seq_len}], got {cu_seqlens}")
+    rng = np.random.default_rng(seed)
+    dtype = jnp.dtype(dtype)
+    cast = lambda x: jnp.asarray(x, dtype)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+
+    if op == "kda_gate":
+        return _gate_case(rng, batch, seq_len, heads_v, key_dim, dtype, dt_bias, lower_bound, gate_scale, seed)
+
+    inputs: dict[str, jax.Array] = {}
+    inputs["q"] = cast(_normal(rng, (batch, seq_len, num_heads, key_dim)))
+    k = _normal(rng, (batch, seq_len, num_heads, key_dim))
+    if op == "kda" and not use_qk_l2norm_in_kernel:
+        k = k / np.linalg.norm(k, axis=-1, keepdims=True)
+    inputs["k"] = cast(k)
+    inputs["v"] = cast(_normal(rng, (batch, seq_len, heads_v, value_dim)))
+    options: dict[str, Any] = {}
+    flags = []
+    if op == "simple_gla":
+        gates = ("g",) if gates is None else tuple(gates)
+        unknown = set(gates) - {"g", "g_gamma"}
+        if unknown:
+            raise ValueError(f"gates: simple_gla takes a subset of ('g', 'g_gamma'), got {gates}")
+        if "g" in gates:
+            inputs["g"] = cast(_decays(rng, (batch, seq_len, num_heads), gate_scale))
+        if "g_gamma" in gates:
+            inputs["g_gamma"] = f32(gate_scale * alibi_g_gamma(num_heads))
+        flags.append("gates=" + ("+".join(gates) or "none"))
+    elif op == "gla":
+        inputs["gk"] = cast(_decays(rng, (batch, seq_len, num_heads, key_dim), gate_scale))
+    else:
+        gate_shape = (batch, seq_len, heads_v, key_dim)
+        if use_gate_in_kernel:
+            inputs["g"] = cast(_normal(rng, gate_shape))
+            inputs["A_log"] = f32(rng.uniform(-1.0, 0.5, size=heads_v) + np.log(gate_scale))
+            if dt_bias:
+                inputs["dt_bias"] = f32(rng.normal(-1.0, 0.5, size=heads_v * key_dim))
+            flags.append("gate_in_kernel" + ("+dt_bias" if dt_bias else "") + _bound_label(lower_bound))
+        else:
+            if lower_bound is not None:
+                raise ValueError("lower_bound: only used with use_gate_in_kernel=True")
+            inputs["g"] = cast(_decays(rng, gate_shape, gate_scale))
+        logits = rng.normal(0.0, 1.5, size=(batch, seq_len, heads_v))
+        inputs["beta"] = cast(logits if use_beta_sigmoid_in_kernel else 1.0 / (1.0 + np.exp(-logits)))
+        options.update(
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            use_gate_in_kernel=use_gate_in_kernel,
+            use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+            lower_bound=lower_bound,
+        )
+        flags += ["l2norm"] * use_qk_l2norm_in_kernel + ["beta_sigmoid"] * use_beta_sigmoid_in_kernel
+
+    num_states = batch if cu_seqlens is None else len(cu_seqlens) - 1
+    if initial_state:
+        inputs["initial_state"] = f32(_normal(rng, (num_states, heads_v, key_dim, value_dim)))
+    options.update(
+        scale=scale,
+        output_final_state=output_final_state,
+        cu_seqlens=None if cu_seqlens is None else jnp.asarray(cu_seqlens, jnp.int32),
+        chunk_size=chunk_size,
+    )
+    heads = f"H={num_heads}" + (f" HV={heads_v}" if heads_v != num_heads else "")
+    parts = [f"{op} B={batch} T={seq_len} {heads} K={key_dim} V={value_dim} {dtype.name}", *flags]
+    if cu_seqlens is not None:
+        parts.append(f"cu_seqlens={cu_seqlens}")
+    parts += ["h0"] * initial_state + ["ht"] * output_final_state
+    parts += [f"chunk={chunk_size}", f"seed={seed}"]
+    parts += [f"gate_scale={gate_scale}"] * (gate_scale != 1.0) + [f"scale={scale}"] * (scale is not None)
+    return Case(op, inputs, options, tuple(inputs), " ".join(parts))
+
+
+def _bound_label(lower_bound) -> str:
+    return "" if lower_bound is None else f" lower_bound={lower_bound}"
+
+
+def _gate_case(rng, batch, seq_len, heads_v, key_dim, dtype, dt_bias, lower_bound, gate_scale, seed) -> Case:
+    inputs = {"g": jnp.asarray(_normal(rng, (batch, seq_len, heads_v, key_dim)), dtype)}
+    inputs["A_log"] = jnp.asarray(rng.uniform(-1.0, 0.5, size=heads_v) + np.log(gate_scale), jnp.float32)
+    if dt_bias:
+        inputs["dt_bias"] = jnp.asarray(rng.normal(-1.0, 0.5, size=heads_v * key_dim), jnp.float32)
+    label = f"kda_gate B={batch} T={seq_len} HV={heads_v} K={key_dim} {dtype.name}"
+    label += " dt_bias" * dt_bias + _bound_label(lower_bound) + f" seed={seed}"
+    return Case("kda_gate", inputs, {"lower_bound": lower_bound}, tuple(inputs), label)
+
+
+# --------------------------------------------------------------------------- oracle
+
+
+@dataclasses.dataclass(frozen=True)
+class OracleResult:
+    """Float64 outputs (`o`, `final_state`; or `gate`) and gradients (`"d" + input name`) as numpy arrays."""
+
+    outputs: dict[str, np.ndarray]
+    grads: dict[str, np.ndarray]
+
+
+_RECURRENT = {
+    "simple_gla": recurrent.simple_gla,
+    "gla": recurrent.gla,
+    "kda": recurrent.kda,
+    "kda_gate": recurrent.kda_gate,
+}
+
+
+def _outputs_tuple(op: str, result) -> tuple:
+    """fn results as a tuple aligned with `Case.output_names`."""
+    if op == "kda_gate":
+        return (result,)
+    o, final_state = result
+    return (o, final_state)
+
+
+def cotangents(case: Case, shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, np.ndarray]:
+    """Seeded N(0, 1) float64 cotangents for each output name of `case` with the given shapes."""
+    rng = np.random.default_rng(seed)
+    return {name: rng.standard_normal(size=shapes[name]) for name in case.output_names}
+
+
+def _output_shapes(case: Case) -> dict[str, tuple[int, ...]]:
+    if case.op == "kda_gate":
+        return {"gate": tuple(case.inputs["g"].shape)}
+    v = case.inputs["v"]
+    q = case.inputs["q"]
+    cu = case.options.get("cu_seqlens")
+    num_states = q.shape[0] if cu is None else cu.shape[0] - 1
+    return {"o": tuple(v.shape), "final_state": (num_states, v.shape[2], q.shape[3], v.shape[3])}
+
+
+# The oracle is compiled once per problem signature with XLA's backend optimizations off: on CPU
+# that compiles ~3x faster, and at test sizes the slower float64 run does not matter.
+ORACLE_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
+ORACLE_CACHE_SIZE = 64
+_compiled_oracles: collections.OrderedDict = collections.OrderedDict()
+
+
+def _oracle_vjp(op, names, static_options, differentiable, constant, array_options, cts):
+    """Float64 outputs and VJP of the recurrence; compiled executables are cached by signature."""
+    fn = _RECURRENT[op]
+
+    def forward_and_vjp(differentiable, constant, array_options, cts):
+        def forward(*values):
+            result = fn(**dict(zip(names, values, strict=True)), **constant, **array_options, **dict(static_options))
+            return _outputs_tuple(op, result)
+
+        outputs, vjp = jax.vjp(forward, *differentiable)
+        return outputs, vjp(cts)
+
+    args = (differentiable, constant, array_options, cts)
+    leaves, tree = jax.tree.flatten(args)
+    key = (op, names, static_options, tree, tuple((x.shape, x.dtype) for x in leaves))
+    if key in _compiled_oracles:
+        _compiled_oracles.move_to_end(key)
+    else:
+        _compiled_oracles[key] = jax.jit(forward_and_vjp).lower(*args).compile(ORACLE_COMPILER_OPTIONS)
+        if len(_compiled_oracles) > ORACLE_CACHE_SIZE:
+            _compiled_oracles.popitem(last=False)
+    return _compiled_oracles[key](*args)
+
+
+def _split_options(case: Case):
+    """(static hashable options, array options) for the oracle; chunk_size is dropped."""
+    static, arrays = [], {}
+    for name, value in case.options.items():
+        if name == "chunk_size":
+            continue
+        if isinstance(value, jax.Array | np.ndarray):
+            arrays[name] = jnp.asarray(value)
+        else:
+            static.append((name, value))
+    return tuple(sorted(static)), arrays
+
+
+def oracle(case: Case, *, cotangent_seed: int = 0) -> OracleResult:
+    """Float64 forward and VJP of the recurrence on `case`, with the seeded cotangents.
+
+    Runs under a scoped `jax.enable_x64(True)`: inputs are cast up from the case's dtype to
+    float64. Returns numpy float64 arrays: `.outputs` ("o" and, when requested,
+    "final_state"; "gate" for kda_gate) and `.grads` ("d" + name for every differentiable input).
+    """
+    shapes = _output_shapes(case)
+    cts = cotangents(case, shapes, cotangent_seed)
+    static, array_options = _split_options(case)
+    names = case.differentiable
+    with jax.enable_x64(True):
+        up = lambda x: jnp.asarray(_as_float64(x))
+        differentiable = tuple(up(case.inputs[n]) for n in names)
+        constant = {n: up(x) for n, x in case.inputs.items() if n not in names}
+        array_options = {n: jnp.asarray(np.asarray(x)) for n, x in array_options.items()}
+        ct_tuple = tuple(jnp.asarray(cts[n]) for n in case.output_names)
+        if case.op != "kda_gate" and len(ct_tuple) == 1:
+            ct_tuple = (ct_tuple[0], None)
+        outputs, grads = _oracle_vjp(case.op, names, static, differentiable, constant, array_options, ct_tuple)
+        out = {n: _as_float64(x) for n, x in zip(case.output_names, outputs, strict=False)}
+        grad = {"d" + n: _as_float64(x) for n, x in zip(names, grads, strict=True)}
+    return OracleResult(out, grad)
+
+
+# --------------------------------------------------------------------------- comparison
+
+
+def _run_fn(fn, case: Case, cotangent_seed: int):
+    """fn's outputs and VJP on `case` as numpy dicts keyed like `OracleResult`.
+
+    Forward and VJP run as one `jax.jit` program over the differentiable inputs; the other
+    inputs and the options (cu_seqlens included) are closed over as constants.
+    """
+    names = case.differentiable
+    constant = {n: x for n, x in case.inputs.items() if n not in names}
+    values = tuple(case.inputs[n] for n in names)
+
+    def forward(*values):
+        return _outputs_tuple(case.op, fn(**dict(zip(names, values, strict=True)), **constant, **case.options))
+
+    shapes = jax.eval_shape(forward, *values)
+    expected = _output_shapes(case)
+    for name, value in zip(case.output_names, shapes, strict=False):
+        if value is None:
+            raise AssertionError(f"{case.label}: fn returned no {name} (output_final_state=True)")
+        if tuple(value.shape) != expected[name]:
+            raise AssertionError(f"{case.label}: {name} has shape {tuple(value.shape)}, expected {expected[name]}")
+    cts = cotangents(case, expected, cotangent_seed)
+    all_names = ("gate",) if case.op == "kda_gate" else ("o", "final_state")
+    ct_tuple = tuple(_cotangent(cts.get(name), value) for name, value in zip(all_names, shapes, strict=True))
+
+    @jax.jit
+    def forward_and_vjp(values, ct_tuple):
+        outputs, vjp = jax.vjp(forward, *values)
+        return outputs, vjp(ct_tuple)
+
+    outputs, grads = forward_and_vjp(values, ct_tuple)
+    out = {n: _as_float64(x) for n, x in zip(case.output_names, outputs, strict=False)}
+    grad = {"d" + n: _as_float64(x) for n, x in zip(names, grads, strict=True)}
+    return out, grad
+
+
+def _cotangent(ct: np.ndarray | None, value):
+    """`ct` in the dtype of `value`; zeros for an output that is returned but not compared."""
+    if value is None:
+        return None
+    if ct is None:
+        return jnp.zeros(value.shape, value.dtype)
+    return jnp.asarray(ct, value.dtype)
+
+
+def _compare(fn, case: Case, cotangent_seed: int):
+    """(errors, pairs): relative error per tensor and the (value, reference) pairs behind it."""
+    reference = oracle(case, cotangent_seed=cotangent_seed)
+    outputs, grads = _run_fn(fn, case, cotangent_seed)
+    pairs = {n: (outputs[n], reference.outputs[n]) for n in reference.outputs}
+    pairs.update({n: (grads[n], reference.grads[n]) for n in reference.grads})
+    errors = {n: relative_error(x, ref) for n, (x, ref) in pairs.items()}
+    return errors, pairs
+
+
+def compare_with_oracle(fn, case: Case, *, cotangent_seed: int = 0) -> dict[str, float]:
+    """Relative errors of `fn` vs the float64 oracle on `case`, outputs and every gradient.
+
+    `fn(**case.kwargs())` returns `(o, final_state)` (kda_gate: the gate). Its forward and
+    VJP (`jax.vjp` over `case.differentiable`) run as one `jax.jit` program, with the other
+    inputs and the options (cu_seqlens included) closed over as constants, in the ambient
+    precision mode, with the oracle's seeded cotangents cast to each output's dtype.
+
+    Returns:
+      `{"o": .., "final_state": .. (when requested), "dq": .., ...}`; kda_gate: `{"gate", "dg", ...}`.
+    """
+    errors, _ = _compare(fn, case, cotangent_seed)
+    return errors
+
+
+def check_against_oracle(fn, case: Case, tolerance: Tolerance | float | None = None) -> dict[str, float]:
+    """`compare_with_oracle`, then asserts every error is within `tolerance`.
+
+    Args:
+      fn, case: as `compare_with_oracle`.
+      tolerance: a `Tolerance` (outputs use `.output`, gradients `.grad`), a float for both,
+        or None for `TOLERANCES[case dtype]`.
+
+    Returns:
+      The errors, when all pass. Otherwise raises AssertionError listing every failing tensor
+      with its error, tolerance and worst element.
+    """
+    if tolerance is None:
+        tolerance = tolerance_for(case.dtype)
+    elif not isinstance(tolerance, Tolerance):
+        tolerance = Tolerance(float(tolerance), float(tolerance), "given")
+    errors, pairs = _compare(fn, case, 0)
+    failures = []
+    for name, error in errors.items():
+        tol = tolerance.output if name in case.output_names else tolerance.grad
+        if not error <= tol:
+            failures.append(describe_mismatch(name, *pairs[name], tol))
+    if failures:
+        raise AssertionError(f"{case.label}: {len(failures)} tensor(s) off the oracle\n  " + "\n  ".join(failures))
+    return errors
