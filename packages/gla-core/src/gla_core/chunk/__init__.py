@@ -1,0 +1,12 @@
+"""Shared Pallas TPU chunk kernels of gated linear attention (simple_gla and gla), fixed and varlen.
+
+Kernel families, one module each: `fwd_h` (states before every chunk), `fwd_o` (outputs),
+`bwd_dh` (state gradients), `bwd_dv` (value gradients), `bwd_dqkg` (query, key and gate
+gradients). `prepare` re-lays the op's tensors for the kernels, `gates` holds the in-kernel
+overflow-safe decay products, `pipeline` is the differentiable op.
+"""
+
+from gla_core.chunk.common import DEFAULT_BLOCK_SIZES, BlockSizes
+from gla_core.chunk.pipeline import chunk_gated_attention
+
+__all__ = ["DEFAULT_BLOCK_SIZES", "BlockSizes", "chunk_gated_attention"]

@@ -1,0 +1,113 @@
+"""Pieces every chunk kernel family shares: block sizes, MXU matmuls, compiler params, costs.
+
+Orientation used by all chunk kernels: states are stored transposed, `[V, K]` (the state
+`S` of the recurrence is `[K, V]`), so a per-key decay is a row `[1, K]` that broadcasts
+over the state's rows and `q @ S` is the natural `q @ state.T` matmul.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from gla_core.tpu import NUM_LANES
+
+NN = (((1,), (0,)), ((), ()))  # a @ b
+NT = (((1,), (1,)), ((), ()))  # a @ b.T
+TN = (((0,), (0,)), ((), ()))  # a.T @ b
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes of the chunk kernels (the time tile is the chunk size of the call).
+
+    Attributes:
+      block_v: the largest value-dimension tile of the kernels that tile V (fwd_h, fwd_o,
+        bwd_dh, bwd_dv; they see all of K).
+      block_k: the largest key-dimension tile of the dq/dk/dgate kernel (it sees all of V).
+    A padded dimension (a multiple of 128) is split into the largest multiple of 128 lanes
+    that is <= the block size and divides it.
+    """
+
+    block_v: int = 256
+    block_k: int = 256
+
+    def __post_init__(self):
+        for name in ("block_v", "block_k"):
+            value = getattr(self, name)
+            if value < NUM_LANES or value % NUM_LANES:
+                raise ValueError(f"{name}: expected a positive multiple of {NUM_LANES}, got {value}")
+
+    def value_tile(self, padded_value_dim: int) -> int:
+        """The V tile for a padded value dimension (a multiple of 128)."""
+        return _tile(self.block_v, padded_value_dim)
+
+    def key_tile(self, padded_key_dim: int) -> int:
+        """The K tile of the dq/dk/dgate kernel for a padded key dimension (a multiple of 128)."""
+        return _tile(self.block_k, padded_key_dim)
+
+
+def _tile(block: int, padded_dim: int) -> int:
+    tile = min(block, padded_dim)
+    while padded_dim % tile:
+        tile -= NUM_LANES
+    return tile
+
+
+DEFAULT_BLOCK_SIZES = BlockSizes()
+
+
+def mxu_dtype(dtype) -> jnp.dtype:
+    """The dtype fed to the MXU for inputs of `dtype`: bfloat16 stays, everything else is float32."""
+    return jnp.dtype(jnp.bfloat16) if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(jnp.float32)
+
+
+def dot(a: jax.Array, b: jax.Array, dims, dtype) -> jax.Array:
+    """`dot_general(a, b, dims)` with both operands cast to the MXU dtype, accumulated in float32.
+
+    float32 operands use full float32 contraction precision.
+    """
+    dtype = jnp.dtype(dtype)
+    precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+    return jax.lax.dot_general(
+        a.astype(dtype), b.astype(dtype), dims, precision=precision, preferred_element_type=jnp.float32
+    )
+
+
+def compiler_params(*semantics: str) -> pltpu.CompilerParams:
+    """Mosaic compiler parameters with the given grid dimension semantics."""
+    return pltpu.CompilerParams(dimension_semantics=tuple(semantics))
+
+
+def nbytes(*arrays) -> int:
+    """Total bytes of arrays or shape structs (None entries count zero)."""
+    return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in arrays if a is not None)
+
+
+def cost_estimate(flops: int, transcendentals: int, arrays) -> pl.CostEstimate:
+    """A `pl.CostEstimate` whose bytes are the sizes of every input and output of the kernel."""
+    return pl.CostEstimate(flops=int(flops), transcendentals=int(transcendentals), bytes_accessed=nbytes(*arrays))
+
+
+def chunk_iota(chunk: int) -> tuple[jax.Array, jax.Array]:
+    """Row and column indices `[C, C]` (int32) of a chunk-by-chunk tile."""
+    rows = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+    cols = jax.lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+    return rows, cols
+
+
+def column_to_row(col: jax.Array) -> jax.Array:
+    """`[C, 1]` to `[1, C]` exactly (diagonal select and sublane sum; no transpose op)."""
+    rows, cols = chunk_iota(col.shape[0])
+    return jnp.sum(jnp.where(rows == cols, col, 0.0), axis=0, keepdims=True)
+
+
+def row_to_column(row: jax.Array) -> jax.Array:
+    """`[1, C]` to `[C, 1]` exactly (diagonal select and lane sum; no transpose op)."""
+    rows, cols = chunk_iota(row.shape[1])
+    return jnp.sum(jnp.where(rows == cols, row, 0.0), axis=1, keepdims=True)

@@ -1,0 +1,189 @@
+"""In-kernel decay of one chunk: the overflow-safe, cancellation-free gated products.
+
+The gate arrives as the raw per-step log decays `a_u` of the chunk (float32, <= 0 for
+decays). Every exponent is a segment sum `sum_{s<u<=t} a_u` computed directly as a masked
+float32 matmul (a triangular matmul, no cumsum op), never as the difference of two long
+cumulative sums: with a decay of -10 per step a cumulative sum reaches -1280 in a chunk of
+128, and the difference of two such numbers keeps only ~1e-4 absolute precision, while a
+segment sum is exact to float32 relative precision of itself. With b_t = sum_{u<=t} a_u
+and L the last step of the chunk, every exponential has an argument <= 0:
+
+  from_start  e^{b_t}            decay from the chunk start through step t   (q side)
+  to_end      e^{b_L - b_t}      decay after step t to the chunk end          (k side)
+  last_decay  e^{b_L}            decay over the whole chunk                   (state)
+
+and the intra-chunk products over pairs t >= s:
+
+  scores(x, y)      M_ts   = sum_k x_tk y_sk e^{b_tk - b_sk}           [C, C], zero for s > t
+  left_right_strict(w, y, x), for w strictly lower triangular (the diagonal has exponent 0
+  and is left to the caller):
+                    left_t  = sum_{s<t} w_ts y_s e^{b_t - b_s}         [C, K]
+                    right_s = sum_{t>s} w_ts x_t e^{b_t - b_s}         [C, K]
+
+`ScalarGate` (one decay per step, simple_gla) builds the [C, C] segment-sum matrix and
+masks it before `exp`. `KeyGate` (a decay per key, gla) cannot build [C, C, K], so it splits
+the pairs t > s by the highest bit where t and s differ: at level l both lie in one block
+of 2^(l+1) steps, t in its upper half and s in its lower half, and with r the last step of
+the lower half `e^{b_t - b_s} = e^{b_t - b_r} e^{b_r - b_s}`, both factors <= 0 and both
+exponents segment sums. Each level is one masked MXU matmul per product.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from gla_core.chunk.common import NN, NT, TN, chunk_iota, column_to_row, dot, row_to_column
+
+F32 = jnp.float32
+
+
+def _mask(condition: jax.Array) -> jax.Array:
+    return condition.astype(F32)
+
+
+class ScalarGate:
+    """Scalar per-step log decays of one chunk, `a` as a row `[1, C]` (float32).
+
+    Quantities are computed when first used, so a kernel traces only what it needs.
+    """
+
+    def __init__(self, a_row: jax.Array, dtype):
+        self.dtype = dtype
+        self.chunk = a_row.shape[1]
+        self.a_row = a_row
+
+    @functools.cached_property
+    def _iota(self):
+        return chunk_iota(self.chunk)
+
+    @functools.cached_property
+    def decay(self) -> jax.Array:
+        """e^{b_t - b_s} for t >= s, else 0: [C, C]."""
+        rows, cols = self._iota
+        # segment[t, s] = sum_u [s < u <= t] a_u
+        segment = dot(jnp.where(cols <= rows, self.a_row, 0.0), _mask(rows > cols), NN, F32)
+        causal = rows >= cols
+        return jnp.where(causal, jnp.exp(jnp.where(causal, segment, 0.0)), 0.0)
+
+    def from_start(self) -> jax.Array:
+        rows, cols = self._iota
+        through = dot(self.a_row, _mask(rows <= cols), NN, F32)  # b_t = sum_{u<=t} a_u, [1, C]
+        return jnp.exp(row_to_column(through))  # [C, 1]
+
+    def to_end(self) -> jax.Array:
+        rows, cols = self._iota
+        after = dot(self.a_row, _mask(rows > cols), NN, F32)  # b_L - b_t = sum_{u>t} a_u, [1, C]
+        return jnp.exp(row_to_column(after))  # [C, 1]
+
+    def last_decay(self) -> jax.Array:
+        return jnp.exp(jnp.sum(self.a_row, axis=1, keepdims=True))  # [1, 1]
+
+    def scores(self, x: jax.Array, y: jax.Array) -> jax.Array:
+        return dot(x, y, NT, self.dtype) * self.decay
+
+    def left_right_strict(self, w: jax.Array, y: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        wd = w * self.decay
+        return dot(wd, y, NN, self.dtype), dot(wd, x, TN, self.dtype)
+
+    def gate_grad(self, after: jax.Array, before: jax.Array, total: jax.Array) -> jax.Array:
+        """d loss / d a as a row `[1, C]`: `sum_{t>=u} after_t + sum_{s<u} before_s + total`, with
+        `after`, `before` `[C, K]` and `total` `[1, K]` summed over keys (triangular matmuls)."""
+        rows, cols = self._iota
+        after_row = column_to_row(jnp.sum(after, axis=1, keepdims=True))
+        before_row = column_to_row(jnp.sum(before, axis=1, keepdims=True))
+        da = dot(after_row, _mask(rows >= cols), NN, F32) + dot(before_row, _mask(rows < cols), NN, F32)
+        return da + jnp.sum(total)
+
+
+class KeyGate:
+    """Per-key per-step log decays of one chunk, `a` `[C, K]` (float32).
+
+    Quantities are computed when first used, so a kernel traces only what it needs.
+    """
+
+    def __init__(self, a: jax.Array, dtype):
+        chunk = a.shape[0]
+        if chunk & (chunk - 1):
+            raise ValueError(f"chunk size must be a power of two, got {chunk}")
+        self.dtype = dtype
+        self.chunk = chunk
+        self.a = a
+
+    def from_start(self) -> jax.Array:
+        rows, cols = chunk_iota(self.chunk)
+        return jnp.exp(dot(_mask(cols <= rows), self.a, NN, F32))  # e^{b_t}, [C, K]
+
+    def to_end(self) -> jax.Array:
+        rows, cols = chunk_iota(self.chunk)
+        return jnp.exp(dot(_mask(cols > rows), self.a, NN, F32))  # e^{b_L - b_t}, [C, K]
+
+    def last_decay(self) -> jax.Array:
+        return jnp.exp(jnp.sum(self.a, axis=0, keepdims=True))  # [1, K]
+
+    def _levels(self):
+        """Per level: (e^{b_t - b_r} for upper-half rows [C,K], e^{b_r - b_s} for lower-half rows
+        [C,K], pair mask [C,C]); zero on the rows of the other half."""
+        chunk = self.chunk
+        rows, cols = chunk_iota(chunk)
+        level = 0
+        while (1 << level) < chunk:
+            upper_row = ((rows >> level) & 1) == 1  # [C, C], constant along a row
+            anchor = ((rows >> (level + 1)) << (level + 1)) + (1 << level) - 1  # r of each row's block
+            # e^{b_t - b_r}: sum over r < u <= t (upper rows); e^{b_r - b_s}: sum over s < u <= r (lower rows)
+            upper_sum = _mask(upper_row & (cols > anchor) & (cols <= rows))
+            lower_sum = _mask(~upper_row & (cols > rows) & (cols <= anchor))
+            upper_exp = dot(upper_sum, self.a, NN, F32)
+            lower_exp = dot(lower_sum, self.a, NN, F32)
+            is_upper = upper_row[:, :1]
+            upper = jnp.where(is_upper, jnp.exp(jnp.where(is_upper, upper_exp, 0.0)), 0.0)
+            lower = jnp.where(is_upper, 0.0, jnp.exp(jnp.where(is_upper, 0.0, lower_exp)))
+            pair = (
+                ((rows >> (level + 1)) == (cols >> (level + 1)))
+                & (((rows >> level) & 1) == 1)
+                & (((cols >> level) & 1) == 0)
+            )
+            yield upper, lower, pair
+            level += 1
+
+    def scores(self, x: jax.Array, y: jax.Array) -> jax.Array:
+        x = x.astype(F32)
+        y = y.astype(F32)
+        rows, cols = chunk_iota(self.chunk)
+        diagonal = jnp.sum(x * y, axis=1, keepdims=True)  # [C, 1]
+        out = jnp.where(rows == cols, diagonal, 0.0)
+        for upper, lower, pair in self._levels():
+            out = out + jnp.where(pair, dot(x * upper, y * lower, NT, self.dtype), 0.0)
+        return out
+
+    def left_right_strict(self, w: jax.Array, y: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        x = x.astype(F32)
+        y = y.astype(F32)
+        left = jnp.zeros(y.shape, F32)
+        right = jnp.zeros(x.shape, F32)
+        for upper, lower, pair in self._levels():
+            w_level = jnp.where(pair, w, 0.0)
+            left = left + upper * dot(w_level, y * lower, NN, self.dtype)
+            right = right + lower * dot(w_level, x * upper, TN, self.dtype)
+        return left, right
+
+    def gate_grad(self, after: jax.Array, before: jax.Array, total: jax.Array) -> jax.Array:
+        """d loss / d a `[C, K]`: `sum_{t>=u} after_t + sum_{s<u} before_s + total` (triangular matmuls)."""
+        rows, cols = chunk_iota(self.chunk)
+        return dot(_mask(cols >= rows), after, NN, F32) + dot(_mask(cols < rows), before, NN, F32) + total
+
+
+def intra_costs(mode: str, chunk: int, keys: int, products: int) -> tuple[int, int]:
+    """(flops, transcendentals) of one chunk's gate with `products` gated [C, C] x [C, K] products."""
+    product = 2 * chunk * chunk * keys
+    if mode == "scalar":
+        return 4 * chunk * chunk + 2 * chunk**3 + products * product, chunk * chunk + 3 * chunk
+    levels = max(chunk.bit_length() - 1, 0) if products else 0
+    return 2 * product + levels * (2 + products) * product, 2 * chunk * keys * (1 + levels)
+
+
+def make_gate(mode: str, block: jax.Array, dtype) -> ScalarGate | KeyGate:
+    """The gate of one chunk from its loaded block: "scalar" `[1, C]` or "key" `[C, K]`."""
+    return ScalarGate(block, dtype) if mode == "scalar" else KeyGate(block, dtype)

@@ -1,0 +1,287 @@
+"""The chunked gated-linear-attention op on the Pallas TPU chunk kernels, with its backward.
+
+Forward:  prepare -> chunk_fwd_h -> chunk_fwd_o -> back to [B, T, H, V].
+Backward: prepare do -> chunk_fwd_h (recomputed, states are not kept) -> chunk_bwd_dh ->
+          chunk_bwd_dv and chunk_bwd_dqkg -> back to the op's layout (g_gamma: summed over B, T).
+
+One `jax.custom_vjp` covers the whole op, so the re-layouts (padding, varlen gathers,
+transposes) are differentiated by hand: every token has exactly one slot in the kernel
+layout, so the gradient of a gather is the inverse gather.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from gla_core import varlen
+from gla_core.chunk import prepare
+from gla_core.chunk.bwd_dh import chunk_bwd_dh
+from gla_core.chunk.bwd_dqkg import chunk_bwd_dqkg
+from gla_core.chunk.bwd_dv import chunk_bwd_dv
+from gla_core.chunk.common import DEFAULT_BLOCK_SIZES, BlockSizes
+from gla_core.chunk.fwd_h import chunk_fwd_h
+from gla_core.chunk.fwd_o import chunk_fwd_o
+from gla_core.chunk.specs import ChunkSpecs
+from gla_core.ops import CHUNK_SIZES
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkConfig:
+    """Static facts of one call (hashable: the non-differentiable argument of the custom VJP).
+
+    Attributes:
+      geometry: the op's and the kernels' sizes.
+      scale: multiplies q (applied to the float32 accumulations inside the kernels).
+      output_final_state: return the final states.
+      interpret: run the kernels in TPU interpret mode.
+      block_sizes: kernel tile sizes.
+      dtypes: dtype name of every given array argument by its op keyword ("q", "k", "v",
+        "g", "g_gamma", "gk", "initial_state"), so gradients come back in the input dtypes.
+    """
+
+    geometry: prepare.Geometry
+    scale: float
+    output_final_state: bool
+    interpret: bool
+    block_sizes: BlockSizes
+    dtypes: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def create(
+        cls,
+        q,
+        v,
+        *,
+        chunk_size: int,
+        scale: float | None = None,
+        output_final_state: bool = False,
+        num_sequences: int | None = None,
+        interpret: bool = False,
+        block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES,
+        **arrays,
+    ) -> ChunkConfig:
+        """The config of a call with q [B, T, H, K], v [B, T, H, V] and the other arrays by
+        keyword (k, g, g_gamma, gk, initial_state; None when absent)."""
+        if chunk_size not in CHUNK_SIZES:
+            raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES}, got {chunk_size}")
+        arrays = dict(q=q, v=v, **arrays)
+        return cls(
+            geometry=prepare.geometry(q, v, chunk_size, num_sequences),
+            scale=float(q.shape[-1] ** -0.5 if scale is None else scale),
+            output_final_state=bool(output_final_state),
+            interpret=bool(interpret),
+            block_sizes=block_sizes,
+            dtypes=tuple(sorted((name, jnp.dtype(x.dtype).name) for name, x in arrays.items() if x is not None)),
+        )
+
+    @property
+    def gate_mode(self) -> str:
+        return "key" if self.has("gk") else "scalar"
+
+    def has(self, name: str) -> bool:
+        return name in dict(self.dtypes)
+
+    def dtype_of(self, name: str) -> jnp.dtype:
+        return jnp.dtype(dict(self.dtypes)[name])
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        """Kernel input dtype: bfloat16 and float32 stay, other float dtypes compute in float32."""
+        dtype = self.dtype_of("q")
+        return dtype if dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)) else jnp.dtype(jnp.float32)
+
+    def specs(self) -> ChunkSpecs:
+        """Specs of the state, output and dv kernels: V tiled, all of K."""
+        geo = self.geometry
+        return ChunkSpecs.value_tiled(
+            self.gate_mode,
+            geo.chunk,
+            geo.num_chunks,
+            geo.padded_key_dim,
+            geo.padded_value_dim,
+            self.block_sizes.value_tile(geo.padded_value_dim),
+        )
+
+    def dqkg_specs(self) -> ChunkSpecs:
+        """Specs of the dq/dk/dgate kernel: K tiled, all of V."""
+        return self.specs().key_tiled(self.block_sizes.key_tile(self.geometry.padded_key_dim))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KernelInputs:
+    """The op's arrays in the kernels' layout (see `prepare`), and the residuals of the VJP.
+
+    q, k: [B, H, Tp, Kp]; v: [B, H, Tp, Vp] (compute dtype); gate: per-step log decays
+    [B, H, NT, 1, C] or [B, H, Tp, Kp] (float32); h0: [N, H, Vp, Kp] float32 or None;
+    meta: per-chunk metadata; layout: the varlen chunk layout or None.
+    """
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    gate: jax.Array
+    h0: jax.Array | None
+    meta: prepare.ChunkMeta
+    layout: varlen.ChunkLayout | None
+
+
+def kernel_inputs(config: ChunkConfig, q, k, v, g, g_gamma, gk, initial_state, cu_seqlens) -> KernelInputs:
+    """Re-lays the op's arguments for the kernels (XLA: pads, transposes, varlen gathers)."""
+    geo = config.geometry
+    layout = varlen.build_chunk_layout(cu_seqlens, geo.seq_len, geo.chunk) if geo.varlen else None
+    if config.gate_mode == "key":
+        gate = prepare.key_gate(gk, geo, layout)
+    else:  # g + g_gamma per step; without either, a zero log decay
+        a = jnp.zeros((geo.batch, geo.seq_len, geo.num_heads), jnp.float32)
+        if g is not None:
+            a = a + g.astype(jnp.float32)
+        if g_gamma is not None:
+            a = a + g_gamma.astype(jnp.float32)
+        gate = prepare.scalar_gate(a, geo, layout)
+    return KernelInputs(
+        *(prepare.to_kernel(x, geo, layout, config.compute_dtype) for x in (q, k, v)),
+        gate=gate,
+        h0=prepare.state_in(initial_state, geo) if initial_state is not None else None,
+        meta=prepare.chunk_meta(geo, layout),
+        layout=layout,
+    )
+
+
+def _forward(config: ChunkConfig, q, k, v, g, g_gamma, gk, initial_state, cu_seqlens):
+    geo, specs = config.geometry, config.specs()
+    x = kernel_inputs(config, q, k, v, g, g_gamma, gk, initial_state, cu_seqlens)
+    h, ht = chunk_fwd_h(
+        x.k,
+        x.v,
+        x.gate,
+        x.h0,
+        x.meta,
+        specs=specs,
+        output_final_state=config.output_final_state,
+        interpret=config.interpret,
+    )
+    o = chunk_fwd_o(x.q, x.k, x.v, x.gate, h, specs=specs, scale=config.scale, interpret=config.interpret)
+    o = prepare.from_kernel(o, geo, x.layout, geo.value_dim, v.dtype)
+    if ht is not None:
+        ht = prepare.state_out(ht, geo)
+        if x.layout is not None:
+            kept = initial_state.astype(jnp.float32) if initial_state is not None else jnp.zeros_like(ht)
+            ht = jnp.where(x.layout.empty_sequence[:, None, None, None], kept, ht)
+    return (o, ht), x
+
+
+def _backward(config: ChunkConfig, x: KernelInputs, cotangents):
+    qk, kk, vk, gate, h0, meta, layout = x.q, x.k, x.v, x.gate, x.h0, x.meta, x.layout
+    do, dht = cotangents
+    geo, specs = config.geometry, config.specs()
+    interpret, scale = config.interpret, config.scale
+    h, _ = chunk_fwd_h(kk, vk, gate, h0, meta, specs=specs, output_final_state=False, interpret=interpret)
+    dok = prepare.to_kernel(do, geo, layout, config.compute_dtype)
+    has_dht = config.output_final_state and dht is not None
+    dhtk = prepare.state_in(dht, geo) if has_dht else None
+    dh, dh0 = chunk_bwd_dh(
+        qk,
+        dok,
+        gate,
+        dhtk,
+        meta,
+        specs=specs.reversed(),
+        scale=scale,
+        need_dh0=h0 is not None,
+        interpret=interpret,
+    )
+    dv = chunk_bwd_dv(qk, kk, dok, gate, dh, specs=specs, scale=scale, dtype=qk.dtype, interpret=interpret)
+    dq, dk, da = chunk_bwd_dqkg(
+        qk, kk, vk, dok, gate, h, dh, specs=config.dqkg_specs(), scale=scale, interpret=interpret
+    )
+    dq = prepare.from_kernel(dq, geo, layout, geo.key_dim, config.dtype_of("q"))
+    dk = prepare.from_kernel(dk, geo, layout, geo.key_dim, config.dtype_of("k"))
+    dv = prepare.from_kernel(dv, geo, layout, geo.value_dim, config.dtype_of("v"))
+    dg = dg_gamma = dgk = d_initial = None
+    if config.gate_mode == "key":
+        dgk = prepare.key_gate_grad(da, geo, layout).astype(config.dtype_of("gk"))
+    else:
+        da = prepare.scalar_gate_grad(da, geo, layout)  # [B, T, H]
+        if config.has("g"):
+            dg = da.astype(config.dtype_of("g"))
+        if config.has("g_gamma"):
+            dg_gamma = jnp.sum(da, axis=(0, 1)).astype(config.dtype_of("g_gamma"))
+    if dh0 is not None:
+        d_initial = prepare.state_out(dh0, geo)
+        if layout is not None:
+            passed = dht.astype(jnp.float32) if has_dht else jnp.zeros_like(d_initial)
+            d_initial = jnp.where(layout.empty_sequence[:, None, None, None], passed, d_initial)
+        d_initial = d_initial.astype(config.dtype_of("initial_state"))
+    return dq, dk, dv, dg, dg_gamma, dgk, d_initial, None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _chunk_attention(config, q, k, v, g, g_gamma, gk, initial_state, cu_seqlens):
+    return _forward(config, q, k, v, g, g_gamma, gk, initial_state, cu_seqlens)[0]
+
+
+_chunk_attention.defvjp(_forward, _backward)
+
+
+def chunk_gated_attention(
+    q,
+    k,
+    v,
+    *,
+    g=None,
+    g_gamma=None,
+    gk=None,
+    scale: float | None = None,
+    initial_state=None,
+    output_final_state: bool = False,
+    cu_seqlens=None,
+    chunk_size: int = 64,
+    interpret: bool = False,
+    block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES,
+):
+    """Gated linear attention on the Pallas TPU chunk kernels (simple_gla and gla).
+
+    `S_t = diag(e^{a_t}) S_{t-1} + k_t v_t^T`, `o_t = scale * q_t^T S_t`, with the per-step
+    log decay `a_t = g_t + g_gamma` (scalar per head, either or both may be absent) or
+    `a_t = gk_t` (per key). Arguments are already validated (see `gla_core.validation`).
+
+    Args:
+      q, k: [B, T, H, K]; v: [B, T, H, V] (bfloat16 or float32; other float dtypes are
+        computed in float32).
+      g: [B, T, H] or None; g_gamma: [H] or None; gk: [B, T, H, K] or None (not with g/g_gamma).
+      scale: multiplies q; None means K ** -0.5.
+      initial_state: [N, H, K, V] or None (N = B, or the number of sequences with cu_seqlens).
+      output_final_state: also return the final states [N, H, K, V] float32.
+      cu_seqlens: int32 [N+1] packed sequence boundaries (B == 1), may be traced.
+      chunk_size: 16, 32, 64 or 128.
+      interpret: run the kernels in TPU interpret mode.
+      block_sizes: kernel tile sizes.
+
+    Returns:
+      (o [B, T, H, V] in v's dtype, final_state or None). Differentiable in q, k, v, g,
+      g_gamma, gk and initial_state.
+    """
+    if gk is not None and (g is not None or g_gamma is not None):
+        raise ValueError("gk (per-key decay) cannot be combined with g or g_gamma")
+    config = ChunkConfig.create(
+        q,
+        v,
+        chunk_size=chunk_size,
+        scale=scale,
+        output_final_state=output_final_state,
+        num_sequences=None if cu_seqlens is None else cu_seqlens.shape[0] - 1,
+        interpret=interpret,
+        block_sizes=block_sizes,
+        k=k,
+        g=g,
+        g_gamma=g_gamma,
+        gk=gk,
+        initial_state=initial_state,
+    )
+    o, final_state = _chunk_attention(config, q, k, v, g, g_gamma, gk, initial_state, cu_seqlens)
+    return o, (final_state if output_final_state else None)

@@ -1,0 +1,133 @@
+"""Block shapes and index maps of the chunk kernels, in one place.
+
+Kernel inputs live in `[B, H, Tp, D]` (time-major per head, D padded to 128 lanes), scalar
+gates in `[B, H, NT, 1, C]`, per-chunk states in `[B, H, NT, V, K]`, per-sequence states
+in `[N, H, V, K]`. Grids are `(B, H, NF, NT)`: the third axis tiles one feature dimension
+(V for the state and output kernels, K for the dq/dk/dgate kernel), the last is time. With
+scalar prefetch the index maps also receive the per-chunk metadata refs
+`(first, last, sequence)` after the grid indices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax.experimental import pallas as pl
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkSpecs:
+    """BlockSpecs for one call.
+
+    Attributes:
+      gate_mode: "scalar" (gate blocks `[1, C]`) or "key" (`[C, Kt]`).
+      chunk: C, the time tile.
+      num_chunks: NT.
+      key_dim, value_dim: padded K and V.
+      block_k, block_v: K and V tiles; the one of the untiled dimension is the whole dimension.
+      tiled: which feature dimension the third grid axis tiles, "v" or "k".
+      reverse: the time grid axis runs from the last chunk to the first.
+    """
+
+    gate_mode: str
+    chunk: int
+    num_chunks: int
+    key_dim: int
+    value_dim: int
+    block_k: int
+    block_v: int
+    tiled: str = "v"
+    reverse: bool = False
+
+    def __post_init__(self):
+        untiled_block = self.block_k if self.tiled == "v" else self.block_v
+        untiled_dim = self.key_dim if self.tiled == "v" else self.value_dim
+        if untiled_block != untiled_dim:
+            raise ValueError(f"tiled={self.tiled!r}: the other feature dimension must be one block")
+
+    @classmethod
+    def value_tiled(cls, gate_mode, chunk, num_chunks, key_dim, value_dim, block_v) -> ChunkSpecs:
+        """Specs of the kernels that tile V and see all of K."""
+        return cls(gate_mode, chunk, num_chunks, key_dim, value_dim, block_k=key_dim, block_v=block_v)
+
+    def key_tiled(self, block_k: int) -> ChunkSpecs:
+        """The same call, tiling K (all of V in every block)."""
+        return dataclasses.replace(self, block_k=block_k, block_v=self.value_dim, tiled="k")
+
+    def reversed(self) -> ChunkSpecs:
+        """The same call, walking time backwards."""
+        return dataclasses.replace(self, reverse=True)
+
+    @property
+    def num_tiles(self) -> int:
+        """Size of the third grid axis."""
+        return self.value_dim // self.block_v if self.tiled == "v" else self.key_dim // self.block_k
+
+    def grid(self, batch: int, heads: int) -> tuple[int, int, int, int]:
+        """(B, H, NF, NT)."""
+        return batch, heads, self.num_tiles, self.num_chunks
+
+    def _position(self, indices):
+        """(batch, head, V tile, K tile, chunk) of a grid point; trailing prefetch refs are ignored."""
+        b, h, tile, t = indices[:4]
+        chunk = self.num_chunks - 1 - t if self.reverse else t
+        if self.tiled == "v":
+            return b, h, tile, 0, chunk
+        return b, h, 0, tile, chunk
+
+    def key(self) -> pl.BlockSpec:
+        """q, k, dq, dk or a per-key gate: [C, Kt] of [B, H, Tp, K]."""
+
+        def key_index(*indices):
+            b, h, _, kt, c = self._position(indices)
+            return b, h, c, kt
+
+        return pl.BlockSpec((None, None, self.chunk, self.block_k), key_index)
+
+    def value(self) -> pl.BlockSpec:
+        """v, o, do or dv: [C, Vt] of [B, H, Tp, V]."""
+
+        def value_index(*indices):
+            b, h, vt, _, c = self._position(indices)
+            return b, h, c, vt
+
+        return pl.BlockSpec((None, None, self.chunk, self.block_v), value_index)
+
+    def gate(self) -> pl.BlockSpec:
+        """The per-step log decays of a chunk: [1, C] of [B, H, NT, 1, C] or [C, Kt] of [B, H, Tp, K]."""
+        if self.gate_mode == "key":
+            return self.key()
+
+        def scalar_gate_index(*indices):
+            b, h, _, _, c = self._position(indices)
+            return b, h, c, 0, 0
+
+        return pl.BlockSpec((None, None, None, 1, self.chunk), scalar_gate_index)
+
+    def scalar_gate_partial(self) -> pl.BlockSpec:
+        """A scalar-gate gradient per K tile: [1, C] of [B, H, NK, NT, 1, C] (summed over NK outside)."""
+
+        def scalar_gate_partial_index(*indices):
+            b, h, _, kt, c = self._position(indices)
+            return b, h, kt, c, 0, 0
+
+        return pl.BlockSpec((None, None, None, None, 1, self.chunk), scalar_gate_partial_index)
+
+    def chunk_state(self) -> pl.BlockSpec:
+        """A per-chunk state: [Vt, Kt] of [B, H, NT, V, K]."""
+
+        def chunk_state_index(*indices):
+            b, h, vt, kt, c = self._position(indices)
+            return b, h, c, vt, kt
+
+        return pl.BlockSpec((None, None, None, self.block_v, self.block_k), chunk_state_index)
+
+    def state_of_sequence(self) -> pl.BlockSpec:
+        """The state of the sequence owning the chunk: [Vt, Kt] of [N, H, V, K] (needs scalar prefetch)."""
+
+        def sequence_state_index(*indices):
+            b, h, vt, kt, c = self._position(indices)
+            sequence_ref = indices[4:][2]
+            return b + sequence_ref[c], h, vt, kt
+
+        return pl.BlockSpec((None, None, self.block_v, self.block_k), sequence_state_index)

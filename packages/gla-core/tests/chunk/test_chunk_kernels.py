@@ -1,0 +1,229 @@
+"""Each chunk kernel family alone, in TPU interpret mode, against the float64 oracle.
+
+Every kernel gets exact float64 inputs where it consumes another kernel's output (the states
+before every chunk, the gradients of the states after every chunk), computed from the
+token-by-token recurrence of `gla_ref.recurrent`, so an error is the kernel's own:
+
+  S_c  state before chunk c: the recurrence run over chunks < c
+  G_c  gradient of the state after chunk c, with the oracle's cotangents
+
+Problems: T not a multiple of the chunk, K and V not multiples of 128, h0 and final state,
+B = 2, K (and for the scalar gate V) padded to two 128-lane tiles; the scalar gate is
+g + g_gamma, the per-key gate gk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gla_core.chunk import BlockSizes, prepare
+from gla_core.chunk.bwd_dh import chunk_bwd_dh
+from gla_core.chunk.bwd_dqkg import chunk_bwd_dqkg
+from gla_core.chunk.bwd_dv import chunk_bwd_dv
+from gla_core.chunk.fwd_h import chunk_fwd_h
+from gla_core.chunk.fwd_o import chunk_fwd_o
+from gla_core.chunk.pipeline import ChunkConfig, kernel_inputs
+from gla_core.tpu import DETECT_RACES_ENV
+from gla_ref import recurrent
+from gla_ref.testing import TOLERANCES, assert_close, cotangents, make_case, oracle
+
+pytestmark = pytest.mark.interpret
+
+TOL = TOLERANCES["float32"]
+CHUNK = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """A case, its kernel inputs, and float64 references (numpy)."""
+
+    case: object
+    config: ChunkConfig
+    inputs: object  # KernelInputs
+    do: jax.Array  # [B, H, Tp, Vp] cotangent of o in the kernel layout
+    dht: jax.Array  # [N, H, Vp, Kp] cotangent of the final state in the kernel layout
+    states: np.ndarray  # S_c [B, NT, H, K, V]
+    state_grads: np.ndarray  # G_c [B, NT, H, K, V]
+    reference: object  # OracleResult
+
+
+def _make_case(mode: str):
+    if mode == "scalar":
+        return make_case(
+            "simple_gla",
+            batch=2,
+            seq_len=80,
+            key_dim=160,
+            value_dim=150,
+            gates=("g", "g_gamma"),
+            initial_state=True,
+            output_final_state=True,
+            chunk_size=CHUNK,
+            seed=3,
+        )
+    return make_case(
+        "gla", batch=2, seq_len=80, key_dim=160, value_dim=48, initial_state=True, output_final_state=True, seed=4
+    )
+
+
+def _run_recurrence(case, inputs, start: int, stop: int, state, scale: float):
+    """The recurrence over steps [start, stop) from `state`: (o, final state), float64."""
+    time_sliced = {n: x[:, start:stop] for n, x in inputs.items() if n in ("q", "k", "v", "g", "gk")}
+    constant = {n: inputs[n] for n in ("g_gamma",) if n in inputs}
+    fn = recurrent.simple_gla if case.op == "simple_gla" else recurrent.gla
+    return fn(**time_sliced, **constant, scale=scale, initial_state=state, output_final_state=True)
+
+
+def _references(case, scale: float, num_chunks: int, do: np.ndarray, dht: np.ndarray):
+    """S_c and G_c of every chunk, float64 [B, NT, H, K, V].
+
+    The recurrence runs chunk by chunk with a zero perturbation added to the state after
+    every chunk; the VJP w.r.t. the perturbations is G.
+    """
+    seq_len = case.inputs["q"].shape[1]
+    with jax.enable_x64(True):
+        inputs = {n: jnp.asarray(np.asarray(x, np.float64)) for n, x in case.inputs.items()}
+        initial = inputs["initial_state"]
+
+        def chunk_by_chunk(perturbations):
+            state, outputs, states = initial, [], []
+            for c in range(num_chunks):
+                states.append(state)
+                o, state = _run_recurrence(case, inputs, c * CHUNK, min((c + 1) * CHUNK, seq_len), state, scale)
+                outputs.append(o)
+                state = state + perturbations[c]
+            return (jnp.concatenate(outputs, axis=1), state), jnp.stack(states, 1)
+
+        @jax.jit
+        def states_and_grads(zeros, do, dht):
+            _, vjp, states = jax.vjp(chunk_by_chunk, zeros, has_aux=True)
+            (grads,) = vjp((do, dht))
+            return states, jnp.moveaxis(grads, 0, 1)
+
+        zeros = jnp.zeros((num_chunks, *initial.shape), jnp.float64)
+        states, grads = states_and_grads(zeros, jnp.asarray(do), jnp.asarray(dht))
+        return np.asarray(states), np.asarray(grads)
+
+
+def _build(mode: str) -> Problem:
+    case = _make_case(mode)
+    inputs = case.inputs
+    config = ChunkConfig.create(
+        inputs["q"],
+        inputs["v"],
+        chunk_size=CHUNK,
+        output_final_state=True,
+        interpret=True,
+        block_sizes=BlockSizes(block_v=128, block_k=128),
+        **{n: inputs.get(n) for n in ("k", "g", "g_gamma", "gk", "initial_state")},
+    )
+    x = kernel_inputs(config, *(inputs.get(n) for n in ("q", "k", "v", "g", "g_gamma", "gk", "initial_state")), None)
+    q, v = inputs["q"], inputs["v"]
+    shapes = {"o": v.shape, "final_state": (q.shape[0], q.shape[2], q.shape[3], v.shape[3])}
+    cts = cotangents(case, shapes, seed=0)
+    geo = config.geometry
+    states, state_grads = _references(case, config.scale, geo.num_chunks, cts["o"], cts["final_state"])
+    return Problem(
+        case=case,
+        config=config,
+        inputs=x,
+        do=prepare.to_kernel(jnp.asarray(cts["o"], jnp.float32), geo, None),
+        dht=prepare.state_in(jnp.asarray(cts["final_state"], jnp.float32), geo),
+        states=states,
+        state_grads=state_grads,
+        reference=oracle(case),
+    )
+
+
+@pytest.fixture(scope="module", params=["scalar", "key"])
+def problem(request) -> Problem:
+    return _build(request.param)
+
+
+def _to_kernel_states(states: np.ndarray, problem: Problem) -> jax.Array:
+    """[B, NT, H, K, V] float64 to the kernels' [B, H, NT, Vp, Kp] float32."""
+    geo = problem.config.geometry
+    x = jnp.asarray(np.transpose(states, (0, 2, 1, 4, 3)), jnp.float32)
+    return prepare.pad_axis(prepare.pad_axis(x, 3, geo.padded_value_dim), 4, geo.padded_key_dim)
+
+
+def _from_kernel_states(states: jax.Array, problem: Problem) -> np.ndarray:
+    """The kernels' [B, H, NT, Vp, Kp] to [B, NT, H, K, V]."""
+    geo = problem.config.geometry
+    return np.transpose(np.asarray(states)[:, :, :, : geo.value_dim, : geo.key_dim], (0, 2, 1, 4, 3))
+
+
+def _gate_grads(da: jax.Array, problem: Problem) -> dict[str, jax.Array]:
+    geo = problem.config.geometry
+    if problem.config.gate_mode == "key":
+        return {"dgk": prepare.key_gate_grad(da, geo, None)}
+    da = prepare.scalar_gate_grad(da, geo, None)
+    return {"dg": da, "dg_gamma": jnp.sum(da, axis=(0, 1))}
+
+
+def test_fwd_h_states_and_final_state(problem, monkeypatch):
+    monkeypatch.setenv(DETECT_RACES_ENV, "1")
+    x, config = problem.inputs, problem.config
+    h, ht = chunk_fwd_h(x.k, x.v, x.gate, x.h0, x.meta, specs=config.specs(), output_final_state=True, interpret=True)
+    assert_close("h", _from_kernel_states(h, problem), problem.states, TOL.output)
+    final = prepare.state_out(ht, config.geometry)
+    assert_close("final_state", final, problem.reference.outputs["final_state"], TOL.output)
+
+
+def test_fwd_o(problem):
+    x, config = problem.inputs, problem.config
+    h = _to_kernel_states(problem.states, problem)
+    o = chunk_fwd_o(x.q, x.k, x.v, x.gate, h, specs=config.specs(), scale=config.scale, interpret=True)
+    o = prepare.from_kernel(o, config.geometry, None, config.geometry.value_dim)
+    assert_close("o", o, problem.reference.outputs["o"], TOL.output)
+
+
+def test_bwd_dh_state_gradients(problem, monkeypatch):
+    monkeypatch.setenv(DETECT_RACES_ENV, "1")
+    x, config = problem.inputs, problem.config
+    dh, dh0 = chunk_bwd_dh(
+        x.q,
+        problem.do,
+        x.gate,
+        problem.dht,
+        x.meta,
+        specs=config.specs().reversed(),
+        scale=config.scale,
+        need_dh0=True,
+        interpret=True,
+    )
+    assert_close("dh", _from_kernel_states(dh, problem), problem.state_grads, TOL.grad)
+    d_initial = prepare.state_out(dh0, config.geometry)
+    assert_close("dinitial_state", d_initial, problem.reference.grads["dinitial_state"], TOL.grad)
+
+
+def test_bwd_dv(problem):
+    x, config = problem.inputs, problem.config
+    dh = _to_kernel_states(problem.state_grads, problem)
+    dv = chunk_bwd_dv(
+        x.q, x.k, problem.do, x.gate, dh, specs=config.specs(), scale=config.scale, dtype=jnp.float32, interpret=True
+    )
+    dv = prepare.from_kernel(dv, config.geometry, None, config.geometry.value_dim)
+    assert_close("dv", dv, problem.reference.grads["dv"], TOL.grad)
+
+
+def test_bwd_dqkg(problem):
+    x, config = problem.inputs, problem.config
+    h = _to_kernel_states(problem.states, problem)
+    dh = _to_kernel_states(problem.state_grads, problem)
+    dq, dk, da = chunk_bwd_dqkg(
+        x.q, x.k, x.v, problem.do, x.gate, h, dh, specs=config.dqkg_specs(), scale=config.scale, interpret=True
+    )
+    geo = config.geometry
+    got = {
+        "dq": prepare.from_kernel(dq, geo, None, geo.key_dim),
+        "dk": prepare.from_kernel(dk, geo, None, geo.key_dim),
+        **_gate_grads(da, problem),
+    }
+    for name, value in got.items():
+        assert_close(name, value, problem.reference.grads[name], TOL.grad)
