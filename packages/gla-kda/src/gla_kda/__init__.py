@@ -1,1 +1,14 @@
-"""gla-kda."""
+"""gla-kda: Kimi Delta Attention (op `kda`) and its gate (op `kda_gate`) for gla.
+
+FLA-named functions:
+  chunk_kda(q, k, v, g, beta, ...)            chunked; Pallas "chunk" on TPU / interpret, else "xla"
+  fused_recurrent_kda(q, k, v, g, beta, ...)  token-by-token scan ("recurrent"), the decode path
+  fused_kda_gate(g, A_log, dt_bias=None, lower_bound=None, output_dtype=float32)
+
+Building blocks other implementations reuse: `gla_kda.gate.kda_gate` and
+`gla_kda.l2norm.l2norm` (both with `custom_vjp`).
+"""
+
+from gla_kda.api import chunk_kda, fused_kda_gate, fused_recurrent_kda
+
+__all__ = ["chunk_kda", "fused_kda_gate", "fused_recurrent_kda"]

@@ -1,1 +1,14 @@
-"""gla-simple."""
+"""gla-simple: ops simple_gla and gla (scalar and per-key decay gated linear attention).
+
+Implementations registered with gla-core (`gla list`): `xla` (chunked plain XLA, the CPU/GPU
+default), `recurrent` (`lax.scan` over time, the decode path). FLA-named functions:
+
+  chunk_simple_gla(q, k, v, g=None, g_gamma=None, ...)     chunked family
+  chunk_gla(q, k, v, g, ...)                                chunked family, per-key decay
+  fused_recurrent_simple_gla(q, k, v, g=None, g_gamma=None, ...)
+  fused_recurrent_gla(q, k, v, gk=None, ...)
+"""
+
+from gla_simple.functions import chunk_gla, chunk_simple_gla, fused_recurrent_gla, fused_recurrent_simple_gla
+
+__all__ = ["chunk_gla", "chunk_simple_gla", "fused_recurrent_gla", "fused_recurrent_simple_gla"]

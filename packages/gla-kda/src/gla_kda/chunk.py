@@ -1,0 +1,128 @@
+"""kda implementation `chunk`: the Pallas TPU chunk pipeline (FLA's chunk_kda).
+
+In XLA, before the kernels: L2 normalization of q and k (`gla_kda.l2norm`), the gate
+(`gla_kda.gate.kda_gate`), the beta sigmoid, the varlen re-layout, the kernel layout and the
+sub-block-local cumsum of the gate. Each of these carries its own gradient; the kernels and
+their backward live in `gla_kda.pallas` (`chunk_pipeline`, a `jax.custom_vjp`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from gla_core import Call, Implementation
+from gla_kda.gate import kda_gate
+from gla_kda.l2norm import l2norm
+from gla_kda.pallas import layout as kl
+from gla_kda.pallas.config import BlockSizes, KernelConfig
+from gla_kda.pallas.pipeline import PipelineConfig, chunk_pipeline
+
+PRIORITY = 100
+
+
+def _kernel_dtype(dtype) -> jnp.dtype:
+    """Matrix-unit dtype of the kernels: bfloat16 stays bfloat16, anything else runs in float32."""
+    return jnp.dtype(jnp.bfloat16) if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(jnp.float32)
+
+
+def kda_chunk(
+    q,
+    k,
+    v,
+    *,
+    g,
+    beta,
+    scale: float,
+    initial_state=None,
+    output_final_state: bool = False,
+    cu_seqlens=None,
+    chunk_size: int = 64,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log=None,
+    dt_bias=None,
+    lower_bound=None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    interpret: bool = False,
+):
+    """Kimi Delta Attention with the Pallas chunk kernels.
+
+    Args (validated and normalized by `gla_core.dispatch`):
+      q, k: [B, T, H, K]; v: [B, T, HV, V] (HV a multiple of H); g: [B, T, HV, K] log decay,
+      or the raw gate input when `use_gate_in_kernel` (with A_log [HV], dt_bias [HV*K],
+      lower_bound); beta: [B, T, HV] (logits when `use_beta_sigmoid_in_kernel`);
+      initial_state: [N, HV, K, V]; cu_seqlens: int32 [N+1] (B == 1) or None.
+    Returns:
+      (o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 or None).
+    """
+    batch, seq_len, num_heads, key_dim = q.shape
+    num_value_heads, value_dim = v.shape[2], v.shape[3]
+    kernel_dtype = _kernel_dtype(q.dtype)
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    if use_gate_in_kernel:
+        g = kda_gate(g, A_log, dt_bias, lower_bound, output_dtype=jnp.float32)
+    g = g.astype(jnp.float32)
+    beta = beta.astype(jnp.float32)
+    if use_beta_sigmoid_in_kernel:
+        beta = jax.nn.sigmoid(beta)
+
+    layout = kl.make_layout(seq_len, key_dim, value_dim, chunk_size, cu_seqlens)
+    num_states = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    kp, vp = layout.key_pad, layout.value_pad
+    config = PipelineConfig(
+        kernel=KernelConfig(
+            blocks=BlockSizes.for_chunk(chunk_size),
+            scale=float(scale),
+            group=num_value_heads // num_heads,
+            input_dtype=kernel_dtype.name,
+            interpret=bool(interpret),
+        ),
+        has_initial_state=initial_state is not None,
+        output_final_state=output_final_state,
+        num_states=num_states,
+    )
+    h0 = None if initial_state is None else kl.pad_state(initial_state, layout)
+    o, ht = chunk_pipeline(
+        config,
+        kl.to_kernel(q.astype(kernel_dtype), layout, kp),
+        kl.to_kernel(k.astype(kernel_dtype), layout, kp),
+        kl.to_kernel(v.astype(kernel_dtype), layout, vp),
+        kl.local_cumsum(kl.to_kernel(g, layout, kp), config.kernel.blocks.sub_chunk),
+        kl.beta_blocks(kl.to_kernel(beta, layout, None), chunk_size),
+        h0,
+        kl.chunk_meta(layout, batch),
+    )
+    o = kl.from_kernel(o, layout, value_dim).astype(v.dtype)
+    if not output_final_state:
+        return o, None
+    ht = kl.unpad_state(ht, layout)
+    if layout.varlen is not None:
+        # A sequence without tokens keeps its initial state (zeros without one).
+        kept = jnp.zeros_like(ht) if initial_state is None else initial_state.astype(jnp.float32)
+        ht = jnp.where(layout.varlen.empty_sequence[:, None, None, None], kept, ht)
+    return o, ht
+
+
+def supports(call: Call) -> str | None:
+    """Declines only what the kernels cannot run: float64 (no 64-bit floats on TPU)."""
+    if call.dtype == "float64":
+        return "float64 inputs: TPU kernels compute in bfloat16/float32; use impl='xla' or 'reference'"
+    return None
+
+
+def implementations() -> list[Implementation]:
+    return [
+        Implementation(
+            op="kda",
+            name="chunk",
+            fn=kda_chunk,
+            priority=PRIORITY,
+            backends={"tpu"},
+            package="gla-kda",
+            supports=supports,
+            interpretable=True,
+            description="Pallas TPU chunk pipeline: intra (I+Akk)^-1/Aqk, state, output; custom_vjp backward",
+        )
+    ]

@@ -1,0 +1,13 @@
+"""Pallas TPU kernels of the kda `chunk` implementation.
+
+Modules (kernel bodies separate from their launchers in each):
+  config     block sizes, dtypes and compiler parameters shared by every kernel
+  chunk_math in-kernel building blocks: decay-anchored gated products, (I + A)^-1, transposes
+  layout     XLA side: [B, T, H, D] inputs to the kernels' [B, H, T, D] chunk layout and back
+  intra      forward intra-chunk kernel: (I + Akk)^-1 and Aqk per chunk
+  state      forward inter-chunk state kernel: WY quantities, delta-rule state recurrence
+  output     forward output kernel: o = q S + Aqk v_new per chunk
+  state_bwd  backward reverse-time state-gradient kernel (dh0)
+  intra_bwd  backward per-chunk gradient kernel (dq, dk, dv, dbeta, dg before the cumsum)
+  pipeline   the `jax.custom_vjp` tying the kernels together
+"""

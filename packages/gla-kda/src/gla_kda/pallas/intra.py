@@ -1,0 +1,91 @@
+"""Forward intra-chunk kernel: the WY inverse (I + Akk)^-1 and the attention Aqk of every chunk.
+
+Per chunk (C tokens, q/k already in the kernel layout, G the within-chunk cumsum of the decay,
+given as its sub-block-local form, see `chunk_math.Decays`):
+  Akk_ij = beta_i sum_d k_id k_jd exp(G_id - G_jd)          j < i   (strictly lower)
+  Tinv   = (I + Akk)^-1                                       (blocked forward substitution)
+  Aqk_ij = scale sum_d q_id k_jd exp(G_id - G_jd)           j <= i
+Every chunk is independent: the grid (B, HV, NT) is parallel on all axes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from gla_kda.pallas import chunk_math as cm
+from gla_kda.pallas.config import KernelConfig, compiler_params
+
+
+def intra_kernel(q_ref, k_ref, g_ref, beta_ref, tinv_ref, aqk_ref, *, config: KernelConfig):
+    """Blocks: q, k, g (sub-block-local decay cumsum) [C, K]; beta [1, C]; outputs tinv, aqk [C, C] float32."""
+    sb = cm.SubBlocks(config.blocks.chunk_size, config.blocks.sub_chunk)
+    q = q_ref[...].astype(cm.F32) * config.scale
+    k = k_ref[...].astype(cm.F32)
+    decays = cm.Decays(g_ref[...], sb)
+    beta = cm.row_to_column(beta_ref[...])
+    kk, qk = cm.gated_scores([k, q], k, decays, config.mxu_dtype, config.unroll)
+    akk = jnp.where(cm.lower_mask(sb.chunk, strict=True), beta * kk, 0.0)
+    tinv_ref[...] = cm.unit_lower_inverse(akk, sb, config.unroll)
+    aqk_ref[...] = qk
+
+
+def qk_index(b, j, t, *_, group: int):
+    """q/k block of value head j: q/k head j // group (truncating division: no sign op in Mosaic)."""
+    return (b, jax.lax.div(j, group), t, 0)
+
+
+def head_index(b, j, t, *_):
+    return (b, j, t, 0)
+
+
+def beta_index(b, j, t, *_):
+    return (b, j, t, 0, 0)
+
+
+def intra_cost(batch, heads, num_chunks, c, k, s, itemsize):
+    """Flops and bytes of `intra_kernel` over the whole grid."""
+    steps = batch * heads * num_chunks
+    flops = steps * (2 * 2 * c * c * k + 3 * 2 * c * s * k + 2 * c * c * c + 2 * c * c * s)
+    transcendentals = steps * (s + c // s) * c * k
+    bytes_accessed = steps * (2 * c * k * itemsize + c * k * 4 + c * 4 + 2 * c * c * 4)
+    return pl.CostEstimate(flops=flops, transcendentals=transcendentals, bytes_accessed=bytes_accessed)
+
+
+def launch_intra(q, k, g, beta, config: KernelConfig):
+    """(Tinv, Aqk) for every chunk.
+
+    Args:
+      q, k: [B, H, Tp, K] input dtype.  g: [B, HV, Tp, K] float32 sub-block-local decay cumsum.
+      beta: [B, HV, NT, 1, C] float32.
+    Returns:
+      tinv, aqk: [B, HV, Tp, C] float32.
+    """
+    batch, heads, padded_len, key_dim = g.shape
+    c = config.blocks.chunk_size
+    num_chunks = padded_len // c
+    qk_spec = pl.BlockSpec((None, None, c, key_dim), functools.partial(qk_index, group=config.group))
+    out_spec = pl.BlockSpec((None, None, c, c), head_index)
+    out_shape = jax.ShapeDtypeStruct((batch, heads, padded_len, c), jnp.float32)
+    with jax.named_scope("kda_intra"):
+        return pl.pallas_call(
+            functools.partial(intra_kernel, config=config),
+            grid=(batch, heads, num_chunks),
+            in_specs=[
+                qk_spec,
+                qk_spec,
+                pl.BlockSpec((None, None, c, key_dim), head_index),
+                pl.BlockSpec((None, None, None, 1, c), beta_index),
+            ],
+            out_specs=[out_spec, out_spec],
+            out_shape=[out_shape, out_shape],
+            compiler_params=compiler_params(sequential_time=False),
+            cost_estimate=intra_cost(
+                batch, heads, num_chunks, c, key_dim, config.blocks.sub_chunk, config.mxu_dtype.itemsize
+            ),
+            interpret=config.interpret_arg,
+            name="kda_intra",
+        )(q, k, g, beta)

@@ -1,0 +1,75 @@
+"""Forward output kernel: o = scale (q exp(G)) S + Aqk delta for every chunk (parallel grid).
+
+S is the state before the chunk (from the state kernel), delta its v_new, Aqk the scaled,
+decayed causal attention of the intra kernel (scale already inside).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from gla_kda.pallas import chunk_math as cm
+from gla_kda.pallas.config import KernelConfig, compiler_params
+
+
+def output_kernel(q_ref, g_ref, h_ref, delta_ref, aqk_ref, o_ref, *, config: KernelConfig):
+    """Blocks: q, g [C, K]; h [K, V]; delta [C, V]; aqk [C, C]; output o [C, V]."""
+    q = q_ref[...].astype(cm.F32) * config.scale
+    decays = cm.Decays(g_ref[...], cm.SubBlocks(config.blocks.chunk_size, config.blocks.sub_chunk))
+    decayed_q = q * jnp.exp(decays.cum)
+    inter = cm.dot(decayed_q, h_ref[...], config.mxu_dtype)
+    intra = cm.dot(aqk_ref[...], delta_ref[...], config.mxu_dtype)
+    o_ref[...] = (inter + intra).astype(o_ref.dtype)
+
+
+def chunk_index(b, j, t):
+    return (b, j, t, 0)
+
+
+def qk_index(b, j, t, *, group: int):
+    return (b, jax.lax.div(j, group), t, 0)
+
+
+def output_cost(batch, heads, num_chunks, c, k, v, dtype, out_dtype):
+    itemsize, out_itemsize = jnp.dtype(dtype).itemsize, jnp.dtype(out_dtype).itemsize
+    steps = batch * heads * num_chunks
+    flops = steps * (2 * c * k * v + 2 * c * c * v)
+    bytes_accessed = steps * (
+        c * k * itemsize + c * k * 4 + (k * v + c * v) * itemsize + c * c * 4 + c * v * out_itemsize
+    )
+    return pl.CostEstimate(flops=flops, transcendentals=steps * c * k, bytes_accessed=bytes_accessed)
+
+
+def launch_output(q, g, h, delta, aqk, config: KernelConfig, out_dtype):
+    """o [B, HV, Tp, V] in `out_dtype`.
+
+    Args:
+      q: [B, H, Tp, K]; g: [B, HV, Tp, K] float32 sub-block-local decay cumsum;
+      h: [B, HV, NT*K, V]; delta: [B, HV, Tp, V]; aqk: [B, HV, Tp, C] float32.
+    """
+    batch, heads, padded_len, key_dim = g.shape
+    value_dim = delta.shape[-1]
+    c = config.blocks.chunk_size
+    num_chunks = padded_len // c
+    with jax.named_scope("kda_output"):
+        return pl.pallas_call(
+            functools.partial(output_kernel, config=config),
+            grid=(batch, heads, num_chunks),
+            in_specs=[
+                pl.BlockSpec((None, None, c, key_dim), functools.partial(qk_index, group=config.group)),
+                pl.BlockSpec((None, None, c, key_dim), chunk_index),
+                pl.BlockSpec((None, None, key_dim, value_dim), chunk_index),
+                pl.BlockSpec((None, None, c, value_dim), chunk_index),
+                pl.BlockSpec((None, None, c, c), chunk_index),
+            ],
+            out_specs=pl.BlockSpec((None, None, c, value_dim), chunk_index),
+            out_shape=jax.ShapeDtypeStruct((batch, heads, padded_len, value_dim), out_dtype),
+            compiler_params=compiler_params(sequential_time=False),
+            cost_estimate=output_cost(batch, heads, num_chunks, c, key_dim, value_dim, config.mxu_dtype, out_dtype),
+            interpret=config.interpret_arg,
+            name="kda_output",
+        )(q, g, h, delta, aqk)

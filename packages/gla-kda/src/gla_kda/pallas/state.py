@@ -1,0 +1,172 @@
+"""Forward inter-chunk state kernel: the delta-rule corrected recurrence across chunks.
+
+Per chunk, with S the state [K, V] before it (float32, carried in VMEM across the sequential
+time axis of the grid), Tinv = (I + Akk)^-1 from the intra kernel and G the within-chunk
+cumsum of the decay (assembled from its sub-block-local form by `chunk_math.Decays`):
+  w = Tinv (beta * k * exp(G))            u = Tinv (beta * v)           (WY quantities)
+  delta = u - w S                                                       (v_new)
+  S <- exp(G_last) * S + (k * exp(G_last - G))^T delta                  (decay rows of S)
+It stores S before every chunk (h) and optionally delta and the final state of each sequence.
+
+Varlen: scalar-prefetched per-chunk metadata says where sequences start (reset S to that
+sequence's initial state) and end (write its final state); block index maps pick the
+sequence's initial/final state with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from gla_kda.pallas import chunk_math as cm
+from gla_kda.pallas.config import KernelConfig, compiler_params
+
+
+@dataclasses.dataclass(frozen=True)
+class StateOutputs:
+    """Which optional outputs the state kernel produces."""
+
+    has_initial_state: bool
+    emit_delta: bool
+    emit_final_state: bool
+
+
+def wy_delta(k, v, decays: cm.Decays, beta, tinv, state, dtype):
+    """delta = Tinv beta (v - k exp(G) S) [C, V] float32 (same as u - w S)."""
+    projected = v - cm.dot(k * jnp.exp(decays.cum), state, dtype)
+    return cm.dot(tinv, beta * projected, dtype)
+
+
+def advance_state(k, decays: cm.Decays, delta, state, dtype):
+    """State after the chunk: exp(G_last) * S + (k exp(G_last - G))^T delta, [K, V] float32."""
+    k_to_end = k * jnp.exp(decays.to_end)
+    return cm.row_to_column(jnp.exp(decays.total)) * state + cm.dot(k_to_end, delta, dtype, trans_a=True)
+
+
+def state_kernel(first_ref, last_ref, seq_ref, *refs, config: KernelConfig, outputs: StateOutputs):
+    """Blocks: k, g [C, K]; v [C, V]; beta [1, C]; tinv [C, C]; h0 [K, V].
+
+    Outputs: h [K, V] (state before the chunk), delta [C, V], ht [K, V]; scratch state [K, V] f32.
+    """
+    del seq_ref
+    refs = list(refs)
+    k_ref, v_ref, g_ref, beta_ref, tinv_ref = refs[:5]
+    h0_ref = refs[5] if outputs.has_initial_state else None
+    rest = refs[5 + outputs.has_initial_state :]
+    h_ref = rest.pop(0)
+    delta_ref = rest.pop(0) if outputs.emit_delta else None
+    ht_ref = rest.pop(0) if outputs.emit_final_state else None
+    (state_ref,) = rest
+    t = pl.program_id(2)
+
+    @pl.when((t == 0) | (first_ref[t] == 1))
+    def _reset():
+        if h0_ref is None:
+            state_ref[...] = jnp.zeros(state_ref.shape, state_ref.dtype)
+        else:
+            state_ref[...] = h0_ref[...].astype(cm.F32)
+
+    state = state_ref[...]
+    h_ref[...] = state.astype(h_ref.dtype)
+    k = k_ref[...].astype(cm.F32)
+    decays = cm.Decays(g_ref[...], cm.SubBlocks(config.blocks.chunk_size, config.blocks.sub_chunk))
+    beta = cm.row_to_column(beta_ref[...])
+    delta = wy_delta(k, v_ref[...].astype(cm.F32), decays, beta, tinv_ref[...], state, config.mxu_dtype)
+    if delta_ref is not None:
+        delta_ref[...] = delta.astype(delta_ref.dtype)
+    new_state = advance_state(k, decays, delta, state, config.mxu_dtype)
+    state_ref[...] = new_state
+    if ht_ref is not None:
+
+        @pl.when(last_ref[t] == 1)
+        def _final():
+            ht_ref[...] = new_state
+
+
+def chunk_index(b, j, t, *_):
+    return (b, j, t, 0)
+
+
+def qk_index(b, j, t, *_, group: int):
+    return (b, jax.lax.div(j, group), t, 0)
+
+
+def beta_index(b, j, t, *_):
+    return (b, j, t, 0, 0)
+
+
+def sequence_index(b, j, t, first_ref, last_ref, seq_ref):
+    """Initial/final state block of the sequence owning chunk t (batch row b when not varlen)."""
+    return (b + seq_ref[t], j, 0, 0)
+
+
+def state_cost(batch, heads, num_chunks, c, k, v, itemsize):
+    steps = batch * heads * num_chunks
+    flops = steps * (2 * c * k * v * 3 + 2 * c * c * v + k * k)
+    transcendentals = steps * (2 * c * k + k)
+    bytes_accessed = steps * ((c * k + c * v) * itemsize + c * k * 4 + c * 4 + c * c * 4 + (k * v + c * v) * itemsize)
+    return pl.CostEstimate(flops=flops, transcendentals=transcendentals, bytes_accessed=bytes_accessed)
+
+
+def launch_state(k, v, g, beta, tinv, h0, meta, config: KernelConfig, outputs: StateOutputs, num_states: int):
+    """Runs the recurrence over every chunk.
+
+    Args:
+      k: [B, H, Tp, K]; v: [B, HV, Tp, V] (input dtype); g: [B, HV, Tp, K] float32 local cumsum;
+      beta: [B, HV, NT, 1, C] float32; tinv: [B, HV, Tp, C] float32;
+      h0: [N, HV, K, V] float32 or None; meta: `ChunkMeta` (first, last, seq int32 [NT]).
+      num_states: N (B, or the number of packed sequences).
+    Returns:
+      (h [B, HV, NT*K, V], delta [B, HV, Tp, V] or None, ht [N, HV, K, V] float32 or None).
+    """
+    batch, heads, padded_len, key_dim = g.shape
+    value_dim = v.shape[-1]
+    c = config.blocks.chunk_size
+    num_chunks = padded_len // c
+    state_spec = pl.BlockSpec((None, None, key_dim, value_dim), sequence_index)
+    in_specs = [
+        pl.BlockSpec((None, None, c, key_dim), functools.partial(qk_index, group=config.group)),
+        pl.BlockSpec((None, None, c, value_dim), chunk_index),
+        pl.BlockSpec((None, None, c, key_dim), chunk_index),
+        pl.BlockSpec((None, None, None, 1, c), beta_index),
+        pl.BlockSpec((None, None, c, c), chunk_index),
+    ]
+    args = [k, v, g, beta, tinv]
+    if outputs.has_initial_state:
+        in_specs.append(state_spec)
+        args.append(h0)
+    out_specs = [pl.BlockSpec((None, None, key_dim, value_dim), chunk_index)]
+    out_shape = [jax.ShapeDtypeStruct((batch, heads, num_chunks * key_dim, value_dim), config.store_dtype)]
+    if outputs.emit_delta:
+        out_specs.append(pl.BlockSpec((None, None, c, value_dim), chunk_index))
+        out_shape.append(jax.ShapeDtypeStruct((batch, heads, padded_len, value_dim), config.store_dtype))
+    if outputs.emit_final_state:
+        out_specs.append(state_spec)
+        out_shape.append(jax.ShapeDtypeStruct((num_states, heads, key_dim, value_dim), jnp.float32))
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=3,
+        grid=(batch, heads, num_chunks),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        scratch_shapes=[pltpu.VMEM((key_dim, value_dim), jnp.float32)],
+    )
+    with jax.named_scope("kda_state"):
+        results = pl.pallas_call(
+            functools.partial(state_kernel, config=config, outputs=outputs),
+            grid_spec=grid_spec,
+            out_shape=out_shape,
+            compiler_params=compiler_params(sequential_time=True),
+            cost_estimate=state_cost(batch, heads, num_chunks, c, key_dim, value_dim, config.mxu_dtype.itemsize),
+            interpret=config.interpret_arg,
+            name="kda_state",
+        )(meta.first, meta.last, meta.seq, *args)
+    results = list(results)
+    h = results.pop(0)
+    delta = results.pop(0) if outputs.emit_delta else None
+    ht = results.pop(0) if outputs.emit_final_state else None
+    return h, delta, ht

@@ -1,0 +1,173 @@
+"""Backward reverse-time state-gradient kernel (the chunk-level adjoint of the state kernel).
+
+Walking the chunks backwards with dS, the gradient of the state after the current chunk
+(float32, carried in VMEM; starts as the final-state cotangent of its sequence, or zero):
+  ddelta = Aqk^T dO + (k exp(G_last - G)) dS                           [C, V]
+  dS    <- exp(G_last) * dS + scale (q exp(G))^T dO - w^T ddelta        (w = Tinv beta k exp(G))
+It stores dS before the update (the gradient of the state after every chunk) and ddelta,
+and, at the first chunk of each sequence, dS after the update: d initial_state.
+Time runs backwards through the index maps (no flipped copies).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from gla_kda.pallas import chunk_math as cm
+from gla_kda.pallas.config import KernelConfig, compiler_params
+
+
+@dataclasses.dataclass(frozen=True)
+class StateGradOptions:
+    """Optional inputs/outputs of the reverse kernel."""
+
+    has_final_cotangent: bool
+    emit_initial_grad: bool
+
+
+def state_bwd_kernel(first_ref, last_ref, seq_ref, *refs, config: KernelConfig, options: StateGradOptions):
+    """Blocks: q, k, g [C, K]; beta [1, C]; tinv, aqk [C, C]; do [C, V]; dht [K, V].
+
+    Outputs: dstate [K, V] (gradient of the state after the chunk), ddelta [C, V], dh0 [K, V];
+    scratch dS [K, V] float32.
+    """
+    del seq_ref
+    refs = list(refs)
+    q_ref, k_ref, g_ref, beta_ref, tinv_ref, aqk_ref, do_ref = refs[:7]
+    dht_ref = refs[7] if options.has_final_cotangent else None
+    rest = refs[7 + options.has_final_cotangent :]
+    dstate_ref, ddelta_ref = rest[:2]
+    dh0_ref = rest[2] if options.emit_initial_grad else None
+    grad_ref = rest[-1]
+    t = pl.program_id(2)
+    chunk = pl.num_programs(2) - 1 - t
+
+    @pl.when((t == 0) | (last_ref[chunk] == 1))
+    def _reset():
+        grad_ref[...] = jnp.zeros(grad_ref.shape, grad_ref.dtype)
+
+    if dht_ref is not None:
+
+        @pl.when(last_ref[chunk] == 1)
+        def _final_cotangent():
+            grad_ref[...] = dht_ref[...].astype(cm.F32)
+
+    dtype = config.mxu_dtype
+    grad = grad_ref[...]
+    dstate_ref[...] = grad.astype(dstate_ref.dtype)
+    q = q_ref[...].astype(cm.F32) * config.scale
+    k = k_ref[...].astype(cm.F32)
+    decays = cm.Decays(g_ref[...], cm.SubBlocks(config.blocks.chunk_size, config.blocks.sub_chunk))
+    beta = cm.row_to_column(beta_ref[...])
+    do = do_ref[...]
+    decay = jnp.exp(decays.cum)
+    ddelta = cm.dot(aqk_ref[...], do, dtype, trans_a=True) + cm.dot(k * jnp.exp(decays.to_end), grad, dtype)
+    ddelta_ref[...] = ddelta.astype(ddelta_ref.dtype)
+    w = cm.dot(tinv_ref[...], beta * k * decay, dtype)
+    grad = (
+        cm.row_to_column(jnp.exp(decays.total)) * grad
+        + cm.dot(q * decay, do, dtype, trans_a=True)
+        - cm.dot(w, ddelta, dtype, trans_a=True)
+    )
+    grad_ref[...] = grad
+    if dh0_ref is not None:
+
+        @pl.when(first_ref[chunk] == 1)
+        def _initial_grad():
+            dh0_ref[...] = grad
+
+
+def reversed_index(b, j, t, first_ref, last_ref, seq_ref):
+    return (b, j, first_ref.shape[0] - 1 - t, 0)
+
+
+def reversed_qk_index(b, j, t, first_ref, last_ref, seq_ref, *, group: int):
+    return (b, jax.lax.div(j, group), first_ref.shape[0] - 1 - t, 0)
+
+
+def reversed_beta_index(b, j, t, first_ref, last_ref, seq_ref):
+    return (b, j, first_ref.shape[0] - 1 - t, 0, 0)
+
+
+def reversed_sequence_index(b, j, t, first_ref, last_ref, seq_ref):
+    return (b + seq_ref[first_ref.shape[0] - 1 - t], j, 0, 0)
+
+
+def state_bwd_cost(batch, heads, num_chunks, c, k, v, itemsize):
+    steps = batch * heads * num_chunks
+    flops = steps * (2 * c * c * v + 2 * c * k * v * 3 + 2 * c * c * k)
+    bytes_accessed = steps * (
+        2 * c * k * itemsize + c * k * 4 + c * 4 + 2 * c * c * 4 + c * v * itemsize + (k * v + c * v) * itemsize
+    )
+    return pl.CostEstimate(flops=flops, transcendentals=steps * (2 * c * k + k), bytes_accessed=bytes_accessed)
+
+
+def launch_state_bwd(
+    q, k, g, beta, tinv, aqk, do, dht, meta, config: KernelConfig, emit_initial_grad: bool, num_states: int
+):
+    """Reverse-time state gradients.
+
+    Args:
+      q, k: [B, H, Tp, K]; g: [B, HV, Tp, K] float32 sub-block-local decay cumsum; beta: [B, HV, NT, 1, C] float32;
+      tinv, aqk: [B, HV, Tp, C] float32; do: [B, HV, Tp, V]; dht: [N, HV, K, V] float32 or None;
+      meta: `ChunkMeta`. num_states: N.
+    Returns:
+      (dstate [B, HV, NT*K, V], ddelta [B, HV, Tp, V], dh0 [N, HV, K, V] float32 or None).
+    """
+    batch, heads, padded_len, key_dim = g.shape
+    value_dim = do.shape[-1]
+    c = config.blocks.chunk_size
+    num_chunks = padded_len // c
+    options = StateGradOptions(has_final_cotangent=dht is not None, emit_initial_grad=emit_initial_grad)
+    qk_spec = pl.BlockSpec((None, None, c, key_dim), functools.partial(reversed_qk_index, group=config.group))
+    state_spec = pl.BlockSpec((None, None, key_dim, value_dim), reversed_sequence_index)
+    in_specs = [
+        qk_spec,
+        qk_spec,
+        pl.BlockSpec((None, None, c, key_dim), reversed_index),
+        pl.BlockSpec((None, None, None, 1, c), reversed_beta_index),
+        pl.BlockSpec((None, None, c, c), reversed_index),
+        pl.BlockSpec((None, None, c, c), reversed_index),
+        pl.BlockSpec((None, None, c, value_dim), reversed_index),
+    ]
+    args = [q, k, g, beta, tinv, aqk, do]
+    if dht is not None:
+        in_specs.append(state_spec)
+        args.append(dht)
+    out_specs = [
+        pl.BlockSpec((None, None, key_dim, value_dim), reversed_index),
+        pl.BlockSpec((None, None, c, value_dim), reversed_index),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((batch, heads, num_chunks * key_dim, value_dim), config.store_dtype),
+        jax.ShapeDtypeStruct((batch, heads, padded_len, value_dim), config.store_dtype),
+    ]
+    if emit_initial_grad:
+        out_specs.append(state_spec)
+        out_shape.append(jax.ShapeDtypeStruct((num_states, heads, key_dim, value_dim), jnp.float32))
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=3,
+        grid=(batch, heads, num_chunks),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        scratch_shapes=[pltpu.VMEM((key_dim, value_dim), jnp.float32)],
+    )
+    with jax.named_scope("kda_state_bwd"):
+        results = pl.pallas_call(
+            functools.partial(state_bwd_kernel, config=config, options=options),
+            grid_spec=grid_spec,
+            out_shape=out_shape,
+            compiler_params=compiler_params(sequential_time=True),
+            cost_estimate=state_bwd_cost(batch, heads, num_chunks, c, key_dim, value_dim, config.mxu_dtype.itemsize),
+            interpret=config.interpret_arg,
+            name="kda_state_bwd",
+        )(meta.first, meta.last, meta.seq, *args)
+    dstate, ddelta = results[0], results[1]
+    dh0 = results[2] if emit_initial_grad else None
+    return dstate, ddelta, dh0

@@ -1,0 +1,200 @@
+"""kda implementation `xla`: chunked KDA in plain `jnp` (every backend; the CPU/GPU default).
+
+Pipeline (FLA's chunk_kda algorithm, see `gla_kda.xla_intra` for the math):
+  1. prepare the inputs (l2norm, in-kernel gate, beta sigmoid, scale: `gla_kda.inputs`), expand
+     q/k to the value heads, and lay the sequence out in chunks `[NT, B, HV, C, D]` (varlen:
+     `gla_core.varlen`, each chunk inside one sequence);
+  2. intra-chunk WY quantities for all chunks at once (batched GEMMs, one batched triangular
+     solve);
+  3. the delta-rule-corrected state recurrence across chunks (`lax.scan`, one small GEMM pair
+     per chunk), resetting the state at every sequence start;
+  4. output `o = qg S + Aqk delta` for all chunks at once.
+
+Backward: `jax.custom_vjp` around steps 1b-4 (everything after `prepare_inputs`, whose pieces
+carry their own `custom_vjp`). The forward keeps the pullback of the chunked pipeline
+(`jax.vjp`), so the backward is the exact gradient of the computed function: the masked,
+cancellation-free decays keep every intermediate finite. What the pullback keeps is bounded:
+the per-sub-block [c, c, K] decay tensors (c = 8 times the size of k) are not stored but recomputed
+in the backward (`jax.checkpoint` in `gla_kda.xla_intra`); the rest is a few tensors of the
+size of q/k/v, the [C, C] score matrices and one state per chunk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from gla_core import Implementation
+from gla_kda.chunking import ChunkGrid, flat, select_initial_state, zero_state
+from gla_kda.inputs import expand_value_heads, prepare_inputs
+from gla_kda.xla_intra import DEFAULT_SUB_BLOCK, einsum, intra_chunk
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkConfig:
+    """Static configuration of one chunked run."""
+
+    chunk_size: int
+    output_final_state: bool
+    sub_block: int = DEFAULT_SUB_BLOCK
+
+
+# --------------------------------------------------------------------------- forward
+
+
+def _state_recurrence(intra, initial_state, grid: ChunkGrid):
+    """States entering every chunk and the corrected values (scan over chunks).
+
+    Args:
+      intra: `IntraChunk` with leading axes [NT, B*HV].
+      initial_state: [N, HV, K, V] (N = B without varlen).
+      grid: the chunk grid (varlen: reset to `initial_state[n]` at the first chunk of sequence n).
+
+    Returns:
+      (states [NT, B*HV, K, V] entering each chunk, delta [NT, B*HV, C, V], last carry [B*HV, K, V]).
+    """
+
+    def step(state, chunk):
+        w, u, kd, gamma, first, sequence = chunk
+        if grid.varlen:
+            state = select_initial_state(state, initial_state, first, sequence)
+        delta = u - einsum("bck,bkv->bcv", w, state)
+        new_state = gamma[..., None] * state + einsum("bck,bcv->bkv", kd, delta)
+        return new_state, (state, delta)
+
+    carry = initial_state[0] if grid.varlen else initial_state.reshape((-1, *initial_state.shape[2:]))
+    first, sequence = grid.chunk_flags()
+    last, (states, delta) = jax.lax.scan(step, carry, (intra.w, intra.u, intra.kd, intra.gamma, first, sequence))
+    return states, delta, last
+
+
+def _final_states(intra, states, delta, last, initial_state, grid: ChunkGrid):
+    """[N, HV, K, V] state after each sequence (its initial state when the sequence is empty)."""
+    if not grid.varlen:
+        return last.reshape(initial_state.shape)
+    index = grid.last_chunks()  # varlen: B = 1, so the merged axis is HV
+    state = flat(states[index])
+    end = flat(intra.gamma[index])[..., None] * state + einsum(
+        "bck,bcv->bkv", flat(intra.kd[index]), flat(delta[index])
+    )
+    return jnp.where(grid.empty_sequences(), initial_state, end.reshape(initial_state.shape))
+
+
+def chunked_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, config: ChunkConfig):
+    """Chunked KDA on prepared inputs.
+
+    Args:
+      q, k: [B, T, H, K] float32 (q scaled); v: [B, T, HV, V]; g: [B, T, HV, K] log decay;
+      beta: [B, T, HV]; initial_state: [N, HV, K, V] or None; cu_seqlens: [N+1] int32 or None.
+      config: chunk size, whether to return the final state, sub-block size.
+
+    Returns:
+      (o [B, T, HV, V] float32, final_state [N, HV, K, V] float32 or None).
+    """
+    batch, seq_len, heads, value_dim = v.shape
+    key_dim = k.shape[-1]
+    dtype = q.dtype
+    grid = ChunkGrid.build(batch, seq_len, heads, config.chunk_size, cu_seqlens)
+    num_states = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    if initial_state is None:
+        initial_state = zero_state(num_states, heads, key_dim, value_dim, dtype)
+    initial_state = initial_state.astype(dtype)
+
+    q, k = expand_value_heads(q, heads), expand_value_heads(k, heads)
+    qc, kc, vc, gc, bc = grid.to_chunks_together([q, k, v, g, beta[..., None]])
+    num_chunks, merged = qc.shape[:2]
+    intra = intra_chunk(flat(qc), flat(kc), flat(vc), flat(gc), flat(bc)[..., 0], config.sub_block)
+    intra = jax.tree.map(lambda x: x.reshape((num_chunks, merged, *x.shape[1:])), intra)
+    states, delta, last = _state_recurrence(intra, initial_state, grid)
+    o = einsum("bck,bkv->bcv", flat(intra.qg), flat(states)) + einsum("bcj,bjv->bcv", flat(intra.Aqk), flat(delta))
+    o = grid.from_chunks(o.reshape((num_chunks, merged, *o.shape[1:])))
+    final = _final_states(intra, states, delta, last, initial_state, grid) if config.output_final_state else None
+    return o, final
+
+
+# --------------------------------------------------------------------------- custom_vjp
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _chunked_delta_rule_vjp(q, k, v, g, beta, initial_state, cu_seqlens, config):
+    return chunked_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, config)
+
+
+def _forward(q, k, v, g, beta, initial_state, cu_seqlens, config):
+    run = functools.partial(chunked_delta_rule, cu_seqlens=cu_seqlens, config=config)
+    out, pullback = jax.vjp(run, q, k, v, g, beta, initial_state)
+    return out, pullback
+
+
+def _backward(config, pullback, cotangents):
+    return (*pullback(cotangents), None)
+
+
+_chunked_delta_rule_vjp.defvjp(_forward, _backward)
+
+
+# --------------------------------------------------------------------------- implementation
+
+
+def kda_xla(
+    q,
+    k,
+    v,
+    *,
+    g,
+    beta,
+    scale,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    chunk_size=64,
+    use_qk_l2norm_in_kernel=False,
+    use_gate_in_kernel=False,
+    A_log=None,
+    dt_bias=None,
+    lower_bound=None,
+    use_beta_sigmoid_in_kernel=False,
+    interpret=False,
+):
+    """kda through the chunked `jnp` pipeline; arguments as validated by `gla_core` (see `chunk_kda`).
+
+    Returns (o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 or None).
+    """
+    del interpret  # plain XLA: nothing to interpret
+    prepared = prepare_inputs(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale=scale,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        lower_bound=lower_bound,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+    )
+    config = ChunkConfig(chunk_size=int(chunk_size), output_final_state=bool(output_final_state))
+    o, final = _chunked_delta_rule_vjp(
+        prepared.q, prepared.k, prepared.v, prepared.g, prepared.beta, initial_state, cu_seqlens, config
+    )
+    return o.astype(v.dtype), final
+
+
+def implementations() -> list[Implementation]:
+    """The `xla` implementation of kda."""
+    return [
+        Implementation(
+            op="kda",
+            name="xla",
+            fn=kda_xla,
+            priority=50,
+            backends={"cpu", "gpu", "tpu"},
+            package="gla-kda",
+            description="chunked jnp (WY form, blocked triangular inverse, scan over chunks); custom_vjp",
+        )
+    ]

@@ -1,0 +1,51 @@
+"""kda `chunk` compiles with Mosaic for compile-only v6e and v5e devices at production shapes.
+
+Run with `/work/venv-tpu/bin/python -m pytest -m tpu_compile <this file> -s` (needs jax[tpu]);
+each compile prints its `CompileReport.summary()`: XLA temp memory and each kernel's scoped
+VMEM. Every kernel must fit the chip's default scoped-VMEM limit (XLA's default
+`xla_tpu_scoped_vmem_limit_kib`: 16 MiB on v5e, 32 MiB on v6e).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from gla_core.tpu_checks import compile_for_tpu
+
+pytestmark = pytest.mark.tpu_compile
+
+DEFAULT_SCOPED_VMEM_BYTES = {"v5e": 16 * 2**20, "v6e": 32 * 2**20}
+
+
+def _check(report, expected_kernels):
+    print(report.summary())
+    names = [kernel.name for kernel in report.kernels]
+    for name in expected_kernels:
+        assert name in names, f"{report.chip}: kernel {name} not in the compiled program ({names})"
+    limit = DEFAULT_SCOPED_VMEM_BYTES[report.chip]
+    for kernel in report.kernels:
+        assert kernel.scoped_vmem_bytes <= limit, (
+            f"{report.chip}: {kernel.name} reserves {kernel.scoped_vmem_bytes} bytes of scoped VMEM, limit {limit}"
+        )
+
+
+@pytest.mark.parametrize("chip", ["v6e", "v5e"])
+@pytest.mark.parametrize("shape", ["B1_T8192_H32", "B2_T4096_H16"])
+def test_forward_compiles(production, shape, chip):
+    report = compile_for_tpu(production["forward"], production["structs"](shape, False), chip=chip)
+    _check(report, ("kda_intra", "kda_state", "kda_output"))
+
+
+@pytest.mark.parametrize("chip", ["v6e", "v5e"])
+@pytest.mark.parametrize("shape", ["B1_T8192_H32", "B2_T4096_H16"])
+def test_backward_compiles(production, shape, chip):
+    structs = production["structs"](shape, False, with_cotangent=True)
+    report = compile_for_tpu(production["backward"], structs, chip=chip)
+    _check(report, ("kda_intra", "kda_state", "kda_state_bwd", "kda_intra_bwd"))
+
+
+@pytest.mark.parametrize("chip", ["v6e", "v5e"])
+def test_varlen_training_step_compiles(production, chip):
+    structs = production["structs"]("B2_T4096_H16", True, with_cotangent=True)
+    report = compile_for_tpu(production["backward"], structs, chip=chip)
+    _check(report, ("kda_intra", "kda_state", "kda_state_bwd", "kda_intra_bwd"))

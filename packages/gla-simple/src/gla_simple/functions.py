@@ -1,0 +1,217 @@
+"""FLA-named entry points: `chunk_simple_gla`, `chunk_gla`, `fused_recurrent_simple_gla`, `fused_recurrent_gla`.
+
+Each calls `gla_core.dispatch` with a fixed implementation family:
+
+- `chunk_*` run the chunked family. They use the Pallas TPU implementation `chunk` when it
+  accepts the call — on a TPU backend, or off-TPU in TPU interpret mode when asked for with
+  `gla_core.use(interpret=True)` or `GLA_INTERPRET=1` — and the `xla` implementation (plain
+  `jnp`, the same chunked algorithm with the same `chunk_size`) otherwise, e.g. on CPU and GPU.
+  Both compute the same op; results agree up to float rounding. The choice depends only on the
+  backend, the interpret setting and the call's shapes, never on the values.
+- `fused_recurrent_*` always use the `recurrent` implementation (a `lax.scan` over time, the
+  decode path).
+
+Dispatch overrides (`impl=`, `gla_core.use(simple_gla=...)`, `GLA_IMPL_<OP>`) choose among every
+implementation; these functions pin their family instead. Call `gla_core.dispatch` directly
+to let overrides or priorities decide.
+"""
+
+from __future__ import annotations
+
+import jax
+
+import gla_core
+
+CHUNK = "chunk"
+CHUNK_FALLBACK = "xla"
+RECURRENT = "recurrent"
+
+
+def chunk_implementation(op: str, q, k, v, **kwargs) -> str:
+    """The chunked-family implementation `chunk_*` use for this call: "chunk" if it accepts, else "xla"."""
+    resolution = gla_core.explain(op, q, k, v, impl=CHUNK_FALLBACK, **kwargs)
+    accepted = {candidate.implementation.name for candidate in resolution.candidates if candidate.accepted}
+    return CHUNK if CHUNK in accepted else CHUNK_FALLBACK
+
+
+def chunk_simple_gla(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array | None = None,
+    g_gamma: jax.Array | None = None,
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: jax.Array | None = None,
+    chunk_size: int = 64,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Simple gated linear attention (scalar decay per head and step), chunked.
+
+    Per head: S_t = exp(g_t + g_gamma) S_{t-1} + k_t v_tᵀ and o_t = scale · q_tᵀ S_t.
+
+    Args:
+      q: [B, T, H, K] queries.
+      k: [B, T, H, K] keys.
+      v: [B, T, H, V] values.
+      g: [B, T, H] per-step log decays (<= 0), or None.
+      g_gamma: [H] constant per-head log decay, or None; with `g`, the decay is g + g_gamma.
+        Neither: no decay (plain linear attention).
+      scale: multiplies q·k; default K ** -0.5.
+      initial_state: [N, H, K, V] state before the first token (N = B, or the number of
+        sequences with `cu_seqlens`); default zeros.
+      output_final_state: also return the state after the last token.
+      cu_seqlens: [N+1] int32 boundaries of packed sequences (B must be 1); may be traced
+        under `jax.jit`.
+      chunk_size: 16, 32, 64 or 128 tokens per chunk.
+
+    Returns:
+      `(o, final_state)`: o [B, T, H, V] in v's dtype; final_state [N, H, K, V] float32, or None
+      unless `output_final_state`.
+
+    Implementation: `chunk` (Pallas TPU) when it accepts the call, else `xla` (see the module doc).
+
+    Example:
+      >>> q = k = jnp.ones((1, 128, 4, 64)); v = jnp.ones((1, 128, 4, 64))
+      >>> g = jnp.full((1, 128, 4), -0.1)
+      >>> o, ht = chunk_simple_gla(q, k, v, g=g, output_final_state=True)
+      >>> o.shape, ht.shape
+      ((1, 128, 4, 64), (1, 4, 64, 64))
+    """
+    kwargs = dict(
+        g=g,
+        g_gamma=g_gamma,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size,
+    )
+    impl = chunk_implementation("simple_gla", q, k, v, **kwargs)
+    return gla_core.dispatch("simple_gla", q, k, v, impl=impl, **kwargs)
+
+
+def chunk_gla(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: jax.Array | None = None,
+    chunk_size: int = 64,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Gated linear attention with a per-key decay, chunked.
+
+    Per head: S_t = diag(exp(g_t)) S_{t-1} + k_t v_tᵀ and o_t = scale · q_tᵀ S_t.
+
+    Args:
+      q: [B, T, H, K] queries.
+      k: [B, T, H, K] keys.
+      v: [B, T, H, V] values.
+      g: [B, T, H, K] per-step, per-key log decays (<= 0) — FLA's `chunk_gla` name for the op's `gk`.
+      scale: multiplies q·k; default K ** -0.5.
+      initial_state: [N, H, K, V] state before the first token; default zeros.
+      output_final_state: also return the state after the last token.
+      cu_seqlens: [N+1] int32 boundaries of packed sequences (B must be 1); may be traced.
+      chunk_size: 16, 32, 64 or 128 tokens per chunk.
+
+    Returns:
+      `(o, final_state)`: o [B, T, H, V] in v's dtype; final_state [N, H, K, V] float32 or None.
+
+    Implementation: `chunk` (Pallas TPU) when it accepts the call, else `xla` (see the module doc).
+
+    Example:
+      >>> q = k = jnp.ones((1, 128, 4, 64)); v = jnp.ones((1, 128, 4, 64))
+      >>> g = jnp.full((1, 128, 4, 64), -0.1)
+      >>> o, _ = chunk_gla(q, k, v, g)
+      >>> o.shape
+      (1, 128, 4, 64)
+    """
+    kwargs = dict(
+        gk=g,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size,
+    )
+    impl = chunk_implementation("gla", q, k, v, **kwargs)
+    return gla_core.dispatch("gla", q, k, v, impl=impl, **kwargs)
+
+
+def fused_recurrent_simple_gla(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array | None = None,
+    g_gamma: jax.Array | None = None,
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Simple gated linear attention by the token-by-token recurrence (the decode path).
+
+    Same arguments and results as `chunk_simple_gla` (without `chunk_size`); always runs the
+    `recurrent` implementation, a `lax.scan` over time.
+
+    Example (one decode step carrying the state):
+      >>> q = k = v = jnp.ones((1, 1, 4, 64)); h = jnp.zeros((1, 4, 64, 64))
+      >>> o, h = fused_recurrent_simple_gla(q, k, v, g_gamma=jnp.full((4,), -0.1),
+      ...                                   initial_state=h, output_final_state=True)
+      >>> o.shape, h.shape
+      ((1, 1, 4, 64), (1, 4, 64, 64))
+    """
+    return gla_core.dispatch(
+        "simple_gla",
+        q,
+        k,
+        v,
+        impl=RECURRENT,
+        g=g,
+        g_gamma=g_gamma,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+    )
+
+
+def fused_recurrent_gla(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    gk: jax.Array | None = None,
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Gated linear attention with a per-key decay by the token-by-token recurrence (the decode path).
+
+    Args:
+      q, k: [B, T, H, K]; v: [B, T, H, V].
+      gk: [B, T, H, K] per-key log decays, or None for no decay (as in FLA; the call then runs
+        op simple_gla without a gate, which is the same recurrence).
+      scale, initial_state, output_final_state, cu_seqlens: as in `chunk_gla`.
+
+    Returns:
+      `(o, final_state)`: o [B, T, H, V] in v's dtype; final_state [N, H, K, V] float32 or None.
+
+    Example:
+      >>> q = k = v = jnp.ones((1, 16, 2, 32)); gk = jnp.full((1, 16, 2, 32), -0.05)
+      >>> o, ht = fused_recurrent_gla(q, k, v, gk=gk, output_final_state=True)
+      >>> o.shape, ht.shape
+      ((1, 16, 2, 32), (1, 2, 32, 32))
+    """
+    common = dict(
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+    )
+    if gk is None:
+        return gla_core.dispatch("simple_gla", q, k, v, impl=RECURRENT, **common)
+    return gla_core.dispatch("gla", q, k, v, impl=RECURRENT, gk=gk, **common)

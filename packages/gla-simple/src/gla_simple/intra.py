@@ -1,0 +1,194 @@
+"""Intra-chunk decayed attention scores and their gradients, for scalar and per-key decays.
+
+Within one chunk of C steps with per-step log decays g (<= 0):
+
+    A[i, j] = Σ_d q[i, d] k[j, d] exp(Σ_{j < s <= i} g[s, d])    for j <= i, else 0.
+
+Every exponent is a sum of decays over a range of steps, formed from that range's own terms:
+the difference b_i - b_j of cumulative decays is the same number, but in float32 it carries
+an absolute error of ~1e-7 |b_i|, which matters (≈1e-5 relative) when the cumulative decay
+is large and the pair is close.
+
+Scalar decay (simple_gla, g [..., C, 1]): the exponent factors out of the sum over d, so
+A = (q kᵀ) ∘ D with D = exp(segment sums of g), masked — one GEMM, C² exponentials.
+
+Per-key decay (gla, g [..., C, K]) needs the exponent per key. Splitting it as
+exp(x_i) exp(y_j) keeps both factors <= 1 only when the split point lies between j and i, so
+the chunk is cut into sub-chunks of c steps. Rows of sub-chunk s see the columns of earlier
+sub-chunks split at the step before s: row factor exp(Σ_{start(s) <= t <= i} g_t), column factor
+exp(Σ_{j < t < start(s)} g_t) (one GEMM per row block); the c×c diagonal blocks are computed
+exactly, elementwise over the key dimension.
+
+The diagonal A[i, i] = q_i · k_i does not depend on g. The gradient with respect to the
+cumulative decay b (d b_i = Σ_j M_ij - Σ_j M_ji with M = dA ∘ A) is formed from the strictly
+lower part only: the diagonal terms cancel in exact arithmetic but not in float32, where they
+are O(1) while the true gradient under strong decay is tiny.
+
+All inputs are float32 with leading batch dims `...` (chunks, batch, heads).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from gla_simple.numerics import (
+    chunk_cumsum,
+    einsum,
+    lower_triangle,
+    masked_exp,
+    reverse_chunk_cumsum,
+    segment_sums,
+)
+
+SUB_CHUNK = 16
+
+
+def is_scalar_gate(g: jax.Array) -> bool:
+    return g.shape[-1] == 1
+
+
+# --------------------------------------------------------------------------- scalar decay
+
+
+def _scalar_decay(g: jax.Array) -> jax.Array:
+    """[..., C, C] exp(Σ_{j < s <= i} g_s) for j <= i, else 0, from g [..., C, 1]."""
+    chunk = g.shape[-2]
+    return masked_exp(lower_triangle(chunk), segment_sums(g[..., 0]))
+
+
+def _scalar_scores(q, k, g):
+    return einsum("...ik,...jk->...ij", q, k) * _scalar_decay(g)
+
+
+def _scalar_score_grads(d_scores, q, k, g, scores):
+    weighted = d_scores * _scalar_decay(g)
+    dq = einsum("...ij,...jk->...ik", weighted, k)
+    dk = einsum("...ij,...ik->...jk", weighted, q)
+    off_diagonal = jnp.where(lower_triangle(q.shape[-2], strict=True), d_scores * scores, 0.0)
+    d_b = jnp.sum(off_diagonal, axis=-1) - jnp.sum(off_diagonal, axis=-2)
+    return dq, dk, d_b[..., None]
+
+
+# --------------------------------------------------------------------------- per-key decay
+#
+# Arrays of this path are kept at rank <= 5 by folding every leading dim (and the sub-chunk
+# index of the diagonal blocks) into one axis: XLA:CPU in jax 0.10.2 can crash on rank-7
+# multiply-reduce fusions with a size-1 dimension (jax-ml/jax#40412).
+
+
+def _sub_chunk(chunk: int) -> int:
+    return min(SUB_CHUNK, chunk)
+
+
+def _vector_factors(g: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Decay factors of the per-key path for g [M, C, K], each exponent a sum of decays (<= 0).
+
+    Returns:
+      row: [M, S, c, K] exp(Σ_{start(s) <= t <= i} g_t) for step i of sub-chunk s.
+      column: [M, S, C, K] exp(Σ_{j < t < start(s)} g_t) for steps j before sub-chunk s, else 0.
+      within: [M*S, c, c, K] exp(Σ_{j < t <= i} g_t) for steps j < i of sub-chunk s, else 0.
+    """
+    rows, chunk, keys = g.shape
+    size = _sub_chunk(chunk)
+    count = chunk // size
+    blocks = g.reshape(rows, count, size, keys)
+    local = chunk_cumsum(blocks)  # Σ from the block start to t, [M, S, c, K]
+    rest = reverse_chunk_cumsum(blocks, exclusive=True)  # Σ after t to the block end
+    block = jnp.arange(count)
+    strictly_between = (block[None, :, None] < block[None, None, :]) & (block[None, None, :] < block[:, None, None])
+    between = einsum("stu,muk->mstk", strictly_between.astype(g.dtype), local[:, :, -1, :])  # [M, S, S', K]
+    row = jnp.exp(local)
+    earlier = (block[None, :] < block[:, None])[:, :, None, None]  # [S, S', 1, 1]
+    column = masked_exp(earlier, rest[:, None, :, :, :] + between[:, :, :, None, :])  # [M, S, S', c, K]
+    column = column.reshape(rows, count, chunk, keys)
+    flat = local.reshape(rows * count, size, keys)
+    within = masked_exp(lower_triangle(size, strict=True)[:, :, None], flat[:, :, None, :] - flat[:, None, :, :])
+    return row, column, within
+
+
+def _block_diagonal(x: jax.Array, rows: int) -> jax.Array:
+    """[M*S, c, c] diagonal blocks -> [M, S*c, S*c] block-diagonal matrices."""
+    size = x.shape[-1]
+    count = x.shape[0] // rows
+    eye = jnp.eye(count, dtype=x.dtype)
+    full = x.reshape(rows, count, size, 1, size) * eye[None, :, None, :, None]
+    return full.reshape(rows, count * size, count * size)
+
+
+def _diagonal_blocks(x: jax.Array, size: int) -> jax.Array:
+    """[M, S*c, S*c] -> its diagonal blocks [M*S, c, c]."""
+    rows, chunk = x.shape[0], x.shape[-1]
+    count = chunk // size
+    blocks = x.reshape(rows, count, size, count, size)
+    picked = einsum("msitj,st->msij", blocks, jnp.eye(count, dtype=x.dtype))
+    return picked.reshape(rows * count, size, size)
+
+
+def _diagonal(x: jax.Array) -> jax.Array:
+    """[M, C, C] -> [M, C] diagonal entries."""
+    return jnp.sum(x * jnp.eye(x.shape[-1], dtype=x.dtype), axis=-1)
+
+
+def _vector_scores(q, k, g):
+    rows, chunk, keys = q.shape
+    size = _sub_chunk(chunk)
+    count = chunk // size
+    row, column, within = _vector_factors(g)
+    q_rows = q.reshape(rows, count, size, keys) * row
+    k_columns = k[:, None, :, :] * column
+    earlier = einsum("msik,msjk->msij", q_rows, k_columns).reshape(rows, chunk, chunk)
+    q_flat, k_flat = q.reshape(-1, size, keys), k.reshape(-1, size, keys)
+    strict = jnp.sum(q_flat[:, :, None, :] * k_flat[:, None, :, :] * within, axis=-1)  # [M*S, c, c]
+    diagonal = jnp.sum(q * k, axis=-1)  # [M, C]
+    return earlier + _block_diagonal(strict, rows) + diagonal[:, :, None] * jnp.eye(chunk, dtype=q.dtype)
+
+
+def _vector_score_grads(d_scores, q, k, g):
+    rows, chunk, keys = q.shape
+    size = _sub_chunk(chunk)
+    count = chunk // size
+    row, column, within = _vector_factors(g)
+    q_rows = q.reshape(rows, count, size, keys) * row
+    k_columns = k[:, None, :, :] * column
+    d_rows = d_scores.reshape(rows, count, size, chunk)
+    dq_earlier = (row * einsum("msij,msjk->msik", d_rows, k_columns)).reshape(q.shape)
+    dk_earlier = jnp.sum(column * einsum("msij,msik->msjk", d_rows, q_rows), axis=1)
+    d_within = _diagonal_blocks(d_scores, size)[..., None]  # [M*S, c, c, 1]
+    q_flat, k_flat = q.reshape(-1, size, keys), k.reshape(-1, size, keys)
+    dq_strict = dq_earlier + jnp.sum(d_within * k_flat[:, None, :, :] * within, axis=2).reshape(q.shape)
+    dk_strict = dk_earlier + jnp.sum(d_within * q_flat[:, :, None, :] * within, axis=1).reshape(k.shape)
+    d_diagonal = _diagonal(d_scores)[..., None]  # [M, C, 1]
+    d_b = q * dq_strict - k * dk_strict
+    return dq_strict + d_diagonal * k, dk_strict + d_diagonal * q, d_b
+
+
+# --------------------------------------------------------------------------- public
+
+
+def _flat(x: jax.Array) -> jax.Array:
+    return x.reshape(-1, *x.shape[-2:])
+
+
+def scores(q: jax.Array, k: jax.Array, g: jax.Array) -> jax.Array:
+    """Intra-chunk scores A [..., C, C] (see the module doc) from q, k [..., C, K] and g [..., C, 1|K]."""
+    if is_scalar_gate(g):
+        return _scalar_scores(q, k, g)
+    chunk = q.shape[-2]
+    return _vector_scores(_flat(q), _flat(k), _flat(g)).reshape(*q.shape[:-2], chunk, chunk)
+
+
+def score_grads(
+    d_scores: jax.Array, q: jax.Array, k: jax.Array, g: jax.Array, scores: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Gradients of sum(d_scores ∘ scores(q, k, g)); `scores` is that value, already computed.
+
+    Returns:
+      dq, dk [..., C, K] and d b [..., C, 1|K]: the gradient with respect to the cumulative
+      decay b_t = Σ_{s <= t} g_s (reverse-cumsum it for g), formed without the cancelling
+      diagonal terms (see the module doc).
+    """
+    if is_scalar_gate(g):
+        return _scalar_score_grads(d_scores, q, k, g, scores)
+    dq, dk, d_b = _vector_score_grads(_flat(d_scores), _flat(q), _flat(k), _flat(g))
+    return dq.reshape(q.shape), dk.reshape(k.shape), d_b.reshape(g.shape)

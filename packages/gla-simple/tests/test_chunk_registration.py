@@ -1,0 +1,59 @@
+"""How dispatch sees the `chunk` implementations: registration, backend policy, declines."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import gla_core
+from gla_core.resolution import INTERPRET_HINT
+
+OPS = ("simple_gla", "gla")
+
+
+def _arrays(op: str, dtype=jnp.float32):
+    shape = (1, 100, 2, 48)
+    arrays = [jax.ShapeDtypeStruct(shape, dtype) for _ in range(3)]
+    gate = {"gk": jax.ShapeDtypeStruct(shape, dtype)} if op == "gla" else {"g": jax.ShapeDtypeStruct(shape[:3], dtype)}
+    return arrays, gate
+
+
+def _candidate(resolution, name: str):
+    return next(c for c in resolution.candidates if c.implementation.name == name)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_chunk_is_registered_for_tpu(op):
+    chunk = next(i for i in gla_core.implementations(op) if i.name == "chunk")
+    assert chunk.priority == 100
+    assert chunk.backends == frozenset({"tpu"})
+    assert chunk.interpretable
+    assert chunk.package == "gla-simple"
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_cpu_declines_chunk_with_the_interpret_hint(op):
+    arrays, gate = _arrays(op)
+    with gla_core.use(backend="cpu", interpret=False):
+        resolution = gla_core.explain(op, *arrays, **gate)
+    assert resolution.winner.name == "xla"
+    reason = _candidate(resolution, "chunk").reason
+    assert reason is not None and INTERPRET_HINT in reason
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_chunk_wins_in_interpret_mode_and_on_tpu(op):
+    arrays, gate = _arrays(op)
+    with gla_core.use(backend="cpu", interpret=True):
+        assert gla_core.explain(op, *arrays, **gate).winner.name == "chunk"
+    with gla_core.use(backend="tpu"):
+        assert gla_core.explain(op, *arrays, **gate, cu_seqlens=None).winner.name == "chunk"
+
+
+def test_chunk_declines_float64_with_a_reason():
+    arrays, gate = _arrays("simple_gla", jnp.float64)
+    with gla_core.use(backend="tpu"):
+        resolution = gla_core.explain("simple_gla", *arrays, **gate)
+    assert "float64" in _candidate(resolution, "chunk").reason
+    assert resolution.winner.name != "chunk"

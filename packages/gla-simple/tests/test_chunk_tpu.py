@@ -1,0 +1,96 @@
+"""The `chunk` implementations at production shapes for TPU: `jax.export` lowering and
+libtpu compile-only compiles (v5e, v6e), forward and backward, fixed and varlen.
+
+Shapes: B=2, T=4096, H=16, K=V=128 bf16 (fixed length) and B=1, T=8192, 8 packed
+sequences (varlen, `cu_seqlens` traced); gates g, g_gamma and gk; with h0 and final state.
+The training step is `grad(sum(o * do) + sum(final_state))` over every differentiable
+input, and also returns o, so all five kernels are in it. Compile tests print each
+kernel's scoped VMEM (`pytest -s`) and check it fits the chip's default scoped VMEM limit.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import gla_core
+from gla_core.tpu_checks import compile_for_tpu, export_for_tpu
+
+BATCH, SEQ_LEN, HEADS, DIM = 2, 4096, 16, 128
+VARLEN_SEQ_LEN, VARLEN_SEQUENCES = 8192, 8
+# Mosaic's default scoped VMEM limit per kernel (without --xla_tpu_scoped_vmem_limit_kib).
+DEFAULT_SCOPED_VMEM = {"v5e": 16 * 2**20, "v6e": 32 * 2**20}
+KERNELS = {"chunk_fwd_h", "chunk_fwd_o", "chunk_bwd_dh", "chunk_bwd_dv", "chunk_bwd_dqkg"}
+GATES = ("g", "g_gamma", "gk")
+LAYOUTS = ("fixed", "varlen")
+
+
+def _problem(gate: str, layout: str):
+    """(forward, training step, argument structs) for one gate kind and layout."""
+    op = "gla" if gate == "gk" else "simple_gla"
+    batch, seq_len = (BATCH, SEQ_LEN) if layout == "fixed" else (1, VARLEN_SEQ_LEN)
+    num_states = batch if layout == "fixed" else VARLEN_SEQUENCES
+    bf16 = jnp.bfloat16
+    gate_shapes = {"g": ((batch, seq_len, HEADS), bf16), "g_gamma": ((HEADS,), jnp.float32)}
+    gate_shapes["gk"] = ((batch, seq_len, HEADS, DIM), bf16)
+    structs = [
+        jax.ShapeDtypeStruct((batch, seq_len, HEADS, DIM), bf16),  # q
+        jax.ShapeDtypeStruct((batch, seq_len, HEADS, DIM), bf16),  # k
+        jax.ShapeDtypeStruct((batch, seq_len, HEADS, DIM), bf16),  # v
+        jax.ShapeDtypeStruct(*gate_shapes[gate]),
+        jax.ShapeDtypeStruct((num_states, HEADS, DIM, DIM), jnp.float32),  # initial_state
+        jax.ShapeDtypeStruct((batch, seq_len, HEADS, DIM), bf16),  # do
+    ]
+    if layout == "varlen":
+        structs.append(jax.ShapeDtypeStruct((VARLEN_SEQUENCES + 1,), jnp.int32))
+
+    def forward(q, k, v, gate_value, initial_state, cu_seqlens=None):
+        return gla_core.dispatch(
+            op,
+            q,
+            k,
+            v,
+            **{gate: gate_value},
+            initial_state=initial_state,
+            output_final_state=True,
+            cu_seqlens=cu_seqlens,
+            impl="chunk",
+        )
+
+    def train(q, k, v, gate_value, initial_state, do, cu_seqlens=None):
+        def loss(*differentiable):
+            o, final_state = forward(*differentiable, cu_seqlens)
+            return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(final_state), o
+
+        grads, o = jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(q, k, v, gate_value, initial_state)
+        return o, grads
+
+    forward_structs = structs[:5] + structs[6:]
+    return forward, train, forward_structs, structs
+
+
+def _mosaic_calls(exported) -> int:
+    return exported.mlir_module().count("tpu_custom_call")
+
+
+@pytest.mark.lowering
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("gate", GATES)
+def test_chunk_exports_for_tpu(gate, layout):
+    forward, train, forward_structs, train_structs = _problem(gate, layout)
+    assert _mosaic_calls(export_for_tpu(forward, *forward_structs)) == 2  # fwd_h, fwd_o
+    assert _mosaic_calls(export_for_tpu(train, *train_structs)) >= 4  # + bwd_dh, bwd_dv, bwd_dqkg
+
+
+@pytest.mark.tpu_compile
+@pytest.mark.parametrize("chip", sorted(DEFAULT_SCOPED_VMEM))
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("gate", GATES)
+def test_chunk_compiles_for_tpu(gate, layout, chip):
+    _, train, _, structs = _problem(gate, layout)
+    report = compile_for_tpu(train, structs, chip=chip)
+    print(f"\nchunk {gate} {layout} training step, {report.summary()}")
+    assert {kernel.name for kernel in report.kernels} == KERNELS
+    for kernel in report.kernels:
+        assert 0 < kernel.scoped_vmem_bytes <= DEFAULT_SCOPED_VMEM[chip], kernel
