@@ -53,16 +53,12 @@ def _fla_cases():
     def chunk_simple_gla(**kwargs):
         return gla_simple.chunk_simple_gla(**kwargs)
 
-    def fused_recurrent_simple_gla(chunk_size, **kwargs):
-        return gla_simple.fused_recurrent_simple_gla(**kwargs)
-
     def fused_recurrent_gla_without_gate(chunk_size, **kwargs):
         return gla_simple.fused_recurrent_gla(**kwargs)
 
     return {
         "chunk_simple_gla": (chunk_simple_gla, simple),
         "chunk_gla": (chunk_gla, gla),
-        "fused_recurrent_simple_gla": (fused_recurrent_simple_gla, simple),
         "fused_recurrent_gla-no-gate": (fused_recurrent_gla_without_gate, no_gate),
     }
 
@@ -76,20 +72,15 @@ def test_fla_functions_against_oracle(name):
     testing.check_against_oracle(fn, case)
 
 
-def test_fused_recurrent_gla_with_gate_is_gla():
-    case = testing.make_case("gla", seq_len=20, key_dim=8, value_dim=8, **H0_HT)
-    inputs = case.inputs
-    o, final = gla_simple.fused_recurrent_gla(
-        inputs["q"],
-        inputs["k"],
-        inputs["v"],
-        gk=inputs["gk"],
-        initial_state=inputs["initial_state"],
-        output_final_state=True,
-    )
-    reference = testing.oracle(case)
-    testing.assert_close("o", o, reference.outputs["o"], 1e-5)
-    testing.assert_close("final_state", final, reference.outputs["final_state"], 1e-5)
+def test_fused_recurrent_functions_forward():
+    """fused_recurrent_gla with a gate and fused_recurrent_simple_gla (the decode path) match the oracle."""
+    gla_case = testing.make_case("gla", seq_len=20, key_dim=8, value_dim=8, **H0_HT)
+    simple_case = testing.make_case("simple_gla", gates=("g", "g_gamma"), seq_len=20, key_dim=8, value_dim=8, **H0_HT)
+    for case, fn in ((gla_case, gla_simple.fused_recurrent_gla), (simple_case, gla_simple.fused_recurrent_simple_gla)):
+        o, final = fn(**case.inputs, output_final_state=True)
+        reference = testing.oracle(case)
+        testing.assert_close(f"{fn.__name__} o", o, reference.outputs["o"], 1e-5)
+        testing.assert_close(f"{fn.__name__} final_state", final, reference.outputs["final_state"], 1e-5)
 
 
 @pytest.mark.parametrize("impl", ["xla", "recurrent"])

@@ -40,8 +40,9 @@ def _intra(q, k, g, d_scores):
 
 @pytest.mark.parametrize("chunk", [16, 64])
 @pytest.mark.parametrize("keys_of_gate", ["scalar", "per-key"])
-@pytest.mark.parametrize("decay_scale", [1.0, 10.0])
-def test_intra_scores_and_grads(chunk, keys_of_gate, decay_scale):
+def test_intra_scores_and_grads(chunk, keys_of_gate):
+    """Strong decays (up to -10 per step): exponents reach -640 inside a chunk of 64."""
+    decay_scale = 10.0
     rng = np.random.default_rng(chunk)
     key_dim = 24
     q, k = rng.standard_normal((2, 3, chunk, key_dim))

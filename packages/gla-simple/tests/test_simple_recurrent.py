@@ -19,7 +19,6 @@ CASES = {
         "simple_gla",
         dict(gates=("g", "g_gamma"), seq_len=200, key_dim=48, value_dim=100),
     ),
-    "simple-none-B2-T33": ("simple_gla", dict(gates=(), batch=2, seq_len=33, key_dim=16, value_dim=8, chunk_size=16)),
     "simple-decode-T1": ("simple_gla", dict(gates=("g_gamma",), seq_len=1, key_dim=64, value_dim=64)),
     "gla-T130-K8-V160-c32": ("gla", dict(seq_len=130, key_dim=8, value_dim=160, chunk_size=32)),
     "gla-decode-B2-T1": ("gla", dict(batch=2, seq_len=1, key_dim=32, value_dim=48)),
