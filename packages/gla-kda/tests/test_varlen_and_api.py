@@ -11,7 +11,7 @@ import pytest
 
 import gla_core
 from gla_core import errors
-from gla_kda import chunk_kda, fused_recurrent_kda
+from gla_kda import api, chunk_kda, fused_recurrent_kda
 from gla_ref.testing import TOLERANCES, assert_close, make_case
 
 TOL = TOLERANCES["float32"]
@@ -78,12 +78,25 @@ def test_chunk_kda_uses_xla_on_cpu_and_recurrent_agrees():
     args = {k: case.inputs[k] for k in ("q", "k", "v", "g", "beta")}
     resolution = gla_core.explain("kda", *(args[k] for k in ("q", "k", "v")), g=args["g"], beta=args["beta"])
     assert resolution.winner.name == "xla"
-    o, final = chunk_kda(**args, initial_state=case.inputs["initial_state"], output_final_state=True)
-    o_rec, final_rec = fused_recurrent_kda(**args, initial_state=case.inputs["initial_state"], output_final_state=True)
+    h0 = case.inputs["initial_state"]
+    chunked = jax.jit(lambda a, h0: chunk_kda(**a, initial_state=h0, output_final_state=True))
+    recurrent = jax.jit(lambda a, h0: fused_recurrent_kda(**a, initial_state=h0, output_final_state=True))
+    (o, final), (o_rec, final_rec) = chunked(args, h0), recurrent(args, h0)
     assert_close("o", o, o_rec, TOL.output)
     assert_close("final_state", final, final_rec, TOL.output)
-    o_none, final_none = chunk_kda(**args)
+    o_none, final_none = jax.jit(lambda a: chunk_kda(**a))(args)
     assert final_none is None and o_none.dtype == args["v"].dtype
+
+
+def test_chunk_kda_family_choice():
+    """chunk_kda runs "chunk" when it accepts the call (here: TPU interpret mode), else "xla"."""
+    shape = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.float32)
+    arrays = (shape(1, 128, 2, 64), shape(1, 128, 2, 64), shape(1, 128, 4, 64))
+    kwargs = dict(g=shape(1, 128, 4, 64), beta=shape(1, 128, 4))
+    assert api._chunk_implementation(arrays, kwargs) == "xla"
+    registered = {i.name for i in gla_core.implementations("kda")}
+    expected = "chunk" if "chunk" in registered else "xla"
+    assert api._chunk_implementation(arrays, {**kwargs, "interpret": True}) == expected
 
 
 def test_chunk_kda_rejects_gate_options_without_in_kernel_gate():

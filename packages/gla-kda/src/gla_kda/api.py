@@ -10,8 +10,6 @@ import jax.numpy as jnp
 
 import gla_core
 
-CHUNK_FAMILY = ("chunk", "xla")
-
 
 def _chunk_implementation(arrays, kwargs) -> str:
     """ "chunk" (Pallas TPU) when it is registered and accepts the call, else "xla"."""

@@ -2,10 +2,10 @@
 
 Pipeline (FLA's chunk_kda algorithm, see `gla_kda.xla_intra` for the math):
   1. prepare the inputs (l2norm, in-kernel gate, beta sigmoid, scale: `gla_kda.inputs`), expand
-     q/k to the value heads, and lay the sequence out in chunks `[NT, B, HV, C, D]` (varlen:
+     q/k to the value heads, and lay the sequence out in chunks `[NT, B*HV, C, D]` (varlen:
      `gla_core.varlen`, each chunk inside one sequence);
-  2. intra-chunk WY quantities for all chunks at once (batched GEMMs, one batched triangular
-     solve);
+  2. intra-chunk WY quantities for all chunks at once (batched GEMMs; (I + Akk)^-1 by blocked
+     forward substitution in jnp, no LAPACK call);
   3. the delta-rule-corrected state recurrence across chunks (`lax.scan`, one small GEMM pair
      per chunk), resetting the state at every sequence start;
   4. output `o = qg S + Aqk delta` for all chunks at once.
