@@ -79,10 +79,12 @@ def prepare_kda(
     dt_bias=None,
     lower_bound=None,
     use_beta_sigmoid_in_kernel=False,
+    initial_state=None,
 ):
     """Applies KDA's in-kernel transforms.
 
-    Returns `(q, k, v, log_decay, beta)` in the computation dtype with q/k expanded to the
+    Returns `(q, k, v, log_decay, beta)` in the computation dtype (promoted over the inputs and
+    `initial_state`, at least float32) with q/k expanded to the
     value heads: q/k `[B, T, HV, K]`, v `[B, T, HV, V]`, log_decay `[B, T, HV, K]`, beta `[B, T, HV]`.
     """
     if g is None:
@@ -91,7 +93,7 @@ def prepare_kda(
         raise InvalidArgumentError("beta: required for kda (delta-rule write strength [B, T, HV])")
     if not use_gate_in_kernel and (A_log is not None or dt_bias is not None or lower_bound is not None):
         raise InvalidArgumentError("A_log, dt_bias, lower_bound: only used when use_gate_in_kernel=True")
-    dtype = compute_dtype(q, k, v, g, beta, A_log, dt_bias)
+    dtype = compute_dtype(q, k, v, g, beta, A_log, dt_bias, initial_state)
     q, k, v, g, beta = (x.astype(dtype) for x in (q, k, v, g, beta))
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)

@@ -255,14 +255,14 @@ def kda(
         dt_bias=dt_bias,
         lower_bound=lower_bound,
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        initial_state=initial_state,
     )
-    dtype = gates.compute_dtype(q, initial_state)
     return _recurrence(
-        q.astype(dtype),
-        k.astype(dtype),
-        v.astype(dtype),
-        log_decay.astype(dtype),
-        beta.astype(dtype),
+        q,
+        k,
+        v,
+        log_decay,
+        beta,
         scale=scale,
         initial_state=initial_state,
         output_final_state=output_final_state,
