@@ -21,3 +21,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_compile)
         if "tpu" in item.keywords and not on_tpu:
             item.add_marker(skip_tpu)
+
+
+@pytest.fixture
+def interpret() -> bool:
+    """Whether Pallas TPU kernels run in TPU interpret mode: everywhere except on a TPU host."""
+    return jax.default_backend() != "tpu"

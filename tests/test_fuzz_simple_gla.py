@@ -66,7 +66,13 @@ def test_xla_matches_oracle(case):
 
 
 @pytest.mark.interpret
-@settings(max_examples=2, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=2,
+    deadline=None,
+    derandomize=True,
+    # `interpret` is a constant per host, so sharing it between examples is safe
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(problems(max_len=96, max_dim=48))
-def test_pallas_chunk_in_interpret_mode_matches_oracle(case):
-    testing.check_against_oracle(_jitted(case, "chunk", interpret=True), case)
+def test_pallas_chunk_in_interpret_mode_matches_oracle(interpret, case):
+    testing.check_against_oracle(_jitted(case, "chunk", interpret=interpret), case)

@@ -58,6 +58,7 @@ def test_round_trip_and_zero_padding():
     assert padded.shape == (1, layout.padded_len, 2)
     assert float(padded.sum()) == pytest.approx(float(x.sum()))
     np.testing.assert_array_equal(from_chunks(padded, layout), x)
+
     # every chunk holds tokens of one sequence, starting at its first slot
     slots = np.asarray(padded[0, :, 0]).reshape(layout.num_chunks, 16)
     assert slots[0, :3].tolist() == [1, 3, 5] and not slots[0, 3:].any()
@@ -76,3 +77,12 @@ def test_changing_only_boundaries_does_not_recompile():
         total, _ = layout_sum(jnp.array(boundaries, jnp.int32))
         assert int(total) == 50
     assert len(traces) == 1
+
+
+def test_round_trip_without_tokens():
+    x = jnp.zeros((1, 0, 3), jnp.bfloat16)
+    layout = build_chunk_layout(jnp.array([0, 0, 0], jnp.int32), 0, 16)
+    padded = to_chunks(x, layout)
+    assert padded.shape == (1, layout.padded_len, 3) and padded.dtype == x.dtype
+    assert not np.asarray(padded, np.float32).any()
+    assert from_chunks(padded, layout).shape == x.shape

@@ -21,9 +21,9 @@ from gla_ref.testing import TOLERANCES, assert_close, check_against_oracle, make
 pytestmark = pytest.mark.interpret
 
 
-def chunk_fn(op: str):
-    """`fn(**case.kwargs())` through dispatch, forcing the `chunk` implementation in interpret mode."""
-    return lambda **kwargs: gla_core.dispatch(op, impl="chunk", interpret=True, **kwargs)
+def chunk_fn(op: str, interpret: bool):
+    """`fn(**case.kwargs())` through dispatch, forcing the `chunk` implementation (in interpret mode off TPU)."""
+    return lambda **kwargs: gla_core.dispatch(op, impl="chunk", interpret=interpret, **kwargs)
 
 
 def _with_inputs(case, **inputs):
@@ -101,13 +101,13 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_chunk_matches_oracle(name):
+def test_chunk_matches_oracle(name, interpret):
     case = CASES[name]()
-    errors = check_against_oracle(chunk_fn(case.op), case)
+    errors = check_against_oracle(chunk_fn(case.op, interpret), case)
     assert set(errors) >= {"o", "dq", "dk", "dv"}
 
 
-def test_varlen_boundaries_do_not_recompile():
+def test_varlen_boundaries_do_not_recompile(interpret):
     """Only the boundaries change (same N and T): one trace, one compile, both runs correct (no gate)."""
     traces = []
 
@@ -124,7 +124,7 @@ def test_varlen_boundaries_do_not_recompile():
             cu_seqlens=cu_seqlens,
             chunk_size=16,
             impl="chunk",
-            interpret=True,
+            interpret=interpret,
         )
 
     for boundaries in ([0, 0, 1, 20, 20, 47, 60], [0, 25, 26, 26, 50, 59, 60]):

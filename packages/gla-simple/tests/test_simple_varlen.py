@@ -35,6 +35,15 @@ def test_varlen_against_oracle(jitted, op, options):
     testing.check_against_oracle(jitted("xla", case), case)
 
 
+@pytest.mark.parametrize("impl", ["xla", "recurrent"])
+def test_packed_input_without_tokens_returns_the_initial_states(impl):
+    """T = 0 with N = 2 empty sequences: o is empty, each final state is its initial state."""
+    case = testing.make_case("simple_gla", gates=("g",), seq_len=0, cu_seqlens=[0, 0, 0], chunk_size=16, **H0_HT)
+    o, final = gla_core.dispatch("simple_gla", impl=impl, **case.kwargs())
+    assert o.shape == (1, 0, 2, 32)
+    np.testing.assert_array_equal(final, case.inputs["initial_state"])
+
+
 def test_varlen_equals_per_sequence_runs():
     """Each packed sequence gives the outputs and final state of running it alone (B=1, no cu_seqlens)."""
     cu = [0, 5, 5, 6, 70, 75]

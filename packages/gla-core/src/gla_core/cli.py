@@ -116,18 +116,23 @@ def command_bench(args: argparse.Namespace) -> int:
 
 def command_cost(args: argparse.Namespace) -> int:
     """Compiles every TPU implementation for compile-only TPU devices and writes the cost report."""
+    from gla_core import cost_store
     from gla_core.cost import CHIPS, measure, production_problems, render_markdown
     from gla_core.progress import progress
 
-    problems = [p for p in production_problems() if not args.op or p.op in args.op]
+    everything = production_problems()
+    problems = [p for p in everything if not args.op or p.op in args.op]
     rows = measure(problems, chips=tuple(args.chip or CHIPS), progress=progress, cycles=args.cycles)
-    report = render_markdown(rows)
-    if args.output:
-        with open(args.output, "w") as stream:
-            stream.write(report + "\n")
-        print(f"report written to {args.output}")
-    else:
-        print(report)
+    if not args.output:
+        print(render_markdown(rows))
+        return 0
+    store = cost_store.json_path(args.output)
+    if args.op or args.chip:  # a partial run keeps the other rows of the last report
+        rows = cost_store.merge_rows(cost_store.load_rows(store), rows, everything)
+    cost_store.save_rows(rows, store)
+    with open(args.output, "w") as stream:
+        stream.write(render_markdown(rows) + "\n")
+    print(f"report written to {args.output} (rows in {store})")
     return 0
 
 
@@ -174,9 +179,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(run=command_bench)
 
     cost = commands.add_parser("cost", help="TPU compiler cost report (needs jax[tpu] for compile-only devices)")
-    cost.add_argument("--op", action="append", choices=OPS, help="only this op (repeatable)")
+    cost.add_argument(
+        "--op",
+        action="append",
+        choices=OPS,
+        help="only this op (repeatable); --output keeps the other rows of the last report",
+    )
     cost.add_argument("--chip", action="append", choices=("v5e", "v6e"), help="only this chip (repeatable)")
-    cost.add_argument("--output", metavar="FILE.md", help="write the markdown report here")
+    cost.add_argument("--output", metavar="FILE.md", help="write the markdown report here (its rows go to FILE.json)")
     cost.add_argument("--cycles", action="store_true", help="also fit libtpu static cycle estimates (v6e, slow)")
     cost.set_defaults(run=command_cost)
     return parser

@@ -120,11 +120,23 @@ def training_step_fn(problem: Problem, impl: str):
     return lambda *args: jax.grad(loss)(args[:-1], args[-1])
 
 
+def training_structs(problem: Problem) -> list[jax.ShapeDtypeStruct]:
+    """Arguments of `training_step_fn(problem, impl)`: every differentiable input, then `do`."""
+    return [*(_struct_of(problem, n) for n in problem.differentiable), problem.arrays[2]]
+
+
 def tpu_implementations(problem: Problem) -> list[tuple[str, str | None]]:
-    """(name, decline reason or None) of every implementation that runs on TPU, for this problem."""
+    """(name, decline reason or None) of the Pallas implementations and `xla`, for this problem.
+
+    `reference` and `recurrent` (token-by-token scans kept for checking) are left out.
+    """
     with use(backend="tpu", interpret=False):
         resolution = explain(problem.op, *problem.arrays, **problem.keywords)
-    return [(c.implementation.name, c.reason) for c in resolution.candidates if c.implementation.name != "reference"]
+    return [
+        (c.implementation.name, c.reason)
+        for c in resolution.candidates
+        if c.implementation.interpretable or c.implementation.name == "xla"
+    ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,10 +179,10 @@ def measure(
         if reason is not None:
             rows.append(CostRow(problem, name, chip, None, None, f"declined: {reason}"))
             continue
-        values = [_struct_of(problem, n) for n in problem.differentiable]
+        structs = training_structs(problem)
         try:
-            forward = compile_for_tpu(forward_fn(problem, name), values, chip=chip)
-            training = compile_for_tpu(training_step_fn(problem, name), [*values, problem.arrays[2]], chip=chip)
+            forward = compile_for_tpu(forward_fn(problem, name), structs[:-1], chip=chip)
+            training = compile_for_tpu(training_step_fn(problem, name), structs, chip=chip)
             row = CostRow(problem, name, chip, forward, training)
             rows.append(_with_cycles(row) if cycles and chip == "v6e" else row)
         except Exception as error:  # a compile failure is a finding to report, not a crash
@@ -223,7 +235,7 @@ def render_markdown(rows: Sequence[CostRow]) -> str:
             "| GFLOP | transcendentals (M) | GB accessed |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
-        for row in (r for r in rows if r.problem is problem):
+        for row in (r for r in rows if r.problem == problem):
             if row.note:
                 lines.append(f"| {row.implementation} | {row.chip} | {row.note} | | | | | | |")
                 continue
@@ -239,7 +251,7 @@ def render_markdown(rows: Sequence[CostRow]) -> str:
                     f"{prefix} | {stage}: {k.name} | {k.scoped_vmem_bytes / 1024:.0f} | {_giga(k.flops)} | "
                     f"{transcendentals} | {_giga(k.bytes_accessed)} |"
                 )
-        fitted = [r for r in rows if r.problem is problem and r.cycles]
+        fitted = [r for r in rows if r.problem == problem and r.cycles]
         if fitted:
             seq_len = problem.spec["seq_len"]
             lines += [

@@ -122,6 +122,8 @@ def build_chunk_layout(cu_seqlens: jax.Array, total_len: int, chunk_size: int) -
 
 def to_chunks(x: jax.Array, layout: ChunkLayout) -> jax.Array:
     """Packed `[1, T, ...]` to padded `[1, NT * C, ...]`; padding slots are zero."""
+    if x.shape[1] == 0:  # only empty sequences: every slot is padding
+        return jnp.zeros((1, layout.padded_len, *x.shape[2:]), x.dtype)
     gathered = jnp.take(x[0], layout.slot_source, axis=0)
     mask = layout.slot_valid.reshape((-1,) + (1,) * (x.ndim - 2))
     return jnp.where(mask, gathered, jnp.zeros((), x.dtype))[None]

@@ -166,24 +166,26 @@ def _gate_grads(da: jax.Array, problem: Problem) -> dict[str, jax.Array]:
     return {"dg": da, "dg_gamma": jnp.sum(da, axis=(0, 1))}
 
 
-def test_fwd_h_states_and_final_state(problem, monkeypatch):
+def test_fwd_h_states_and_final_state(problem, monkeypatch, interpret):
     monkeypatch.setenv(DETECT_RACES_ENV, "1")
     x, config = problem.inputs, problem.config
-    h, ht = chunk_fwd_h(x.k, x.v, x.gate, x.h0, x.meta, specs=config.specs(), output_final_state=True, interpret=True)
+    h, ht = chunk_fwd_h(
+        x.k, x.v, x.gate, x.h0, x.meta, specs=config.specs(), output_final_state=True, interpret=interpret
+    )
     assert_close("h", _from_kernel_states(h, problem), problem.states, TOL.output)
     final = prepare.state_out(ht, config.geometry)
     assert_close("final_state", final, problem.reference.outputs["final_state"], TOL.output)
 
 
-def test_fwd_o(problem):
+def test_fwd_o(problem, interpret):
     x, config = problem.inputs, problem.config
     h = _to_kernel_states(problem.states, problem)
-    o = chunk_fwd_o(x.q, x.k, x.v, x.gate, h, specs=config.specs(), scale=config.scale, interpret=True)
+    o = chunk_fwd_o(x.q, x.k, x.v, x.gate, h, specs=config.specs(), scale=config.scale, interpret=interpret)
     o = prepare.from_kernel(o, config.geometry, None, config.geometry.value_dim)
     assert_close("o", o, problem.reference.outputs["o"], TOL.output)
 
 
-def test_bwd_dh_state_gradients(problem, monkeypatch):
+def test_bwd_dh_state_gradients(problem, monkeypatch, interpret):
     monkeypatch.setenv(DETECT_RACES_ENV, "1")
     x, config = problem.inputs, problem.config
     dh, dh0 = chunk_bwd_dh(
@@ -195,29 +197,37 @@ def test_bwd_dh_state_gradients(problem, monkeypatch):
         specs=config.specs().reversed(),
         scale=config.scale,
         need_dh0=True,
-        interpret=True,
+        interpret=interpret,
     )
     assert_close("dh", _from_kernel_states(dh, problem), problem.state_grads, TOL.grad)
     d_initial = prepare.state_out(dh0, config.geometry)
     assert_close("dinitial_state", d_initial, problem.reference.grads["dinitial_state"], TOL.grad)
 
 
-def test_bwd_dv(problem):
+def test_bwd_dv(problem, interpret):
     x, config = problem.inputs, problem.config
     dh = _to_kernel_states(problem.state_grads, problem)
     dv = chunk_bwd_dv(
-        x.q, x.k, problem.do, x.gate, dh, specs=config.specs(), scale=config.scale, dtype=jnp.float32, interpret=True
+        x.q,
+        x.k,
+        problem.do,
+        x.gate,
+        dh,
+        specs=config.specs(),
+        scale=config.scale,
+        dtype=jnp.float32,
+        interpret=interpret,
     )
     dv = prepare.from_kernel(dv, config.geometry, None, config.geometry.value_dim)
     assert_close("dv", dv, problem.reference.grads["dv"], TOL.grad)
 
 
-def test_bwd_dqkg(problem):
+def test_bwd_dqkg(problem, interpret):
     x, config = problem.inputs, problem.config
     h = _to_kernel_states(problem.states, problem)
     dh = _to_kernel_states(problem.state_grads, problem)
     dq, dk, da = chunk_bwd_dqkg(
-        x.q, x.k, x.v, problem.do, x.gate, h, dh, specs=config.dqkg_specs(), scale=config.scale, interpret=True
+        x.q, x.k, x.v, problem.do, x.gate, h, dh, specs=config.dqkg_specs(), scale=config.scale, interpret=interpret
     )
     geo = config.geometry
     got = {

@@ -79,9 +79,9 @@ def production_backward(q, k, v, g, beta, do, cu_seqlens=None):
 
 
 @pytest.fixture
-def chunk_runner():
-    """`chunk_runner(case) -> fn` for `gla_ref.testing.check_against_oracle(fn, case)` (interpret mode)."""
-    return make_chunk_runner
+def chunk_runner(interpret):
+    """`chunk_runner(case) -> fn` for `gla_ref.testing.check_against_oracle(fn, case)` (interpret mode off TPU)."""
+    return lambda case: make_chunk_runner(case, interpret)
 
 
 @pytest.fixture

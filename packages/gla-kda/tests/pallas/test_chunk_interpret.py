@@ -1,6 +1,6 @@
 """kda implementation `chunk` (Pallas TPU kernels in TPU interpret mode) against the float64 oracle.
 
-Each case runs `dispatch("kda", impl="chunk", interpret=True)` forward and backward and
+Each case runs `dispatch("kda", impl="chunk", interpret=interpret)` (True off TPU) forward and backward and
 compares o, the final state and every gradient (q, k, v, g or raw g with A_log and dt_bias,
 beta, initial_state) with `gla_ref.testing.check_against_oracle`. Tolerances are
 `gla_ref.testing.TOLERANCES` (float32: 1e-5 outputs and final state, 1e-4 gradients;
@@ -77,7 +77,7 @@ def test_chunk_matches_oracle(name, chunk_runner):
     assert set(errors) >= {"o", "dq", "dk", "dv", "dg", "dbeta"}
 
 
-def test_varlen_grouped_new_boundaries_reuse_the_training_step():
+def test_varlen_grouped_new_boundaries_reuse_the_training_step(interpret):
     """Varlen with unaligned boundaries, a length-1 and a length-0 sequence, grouped value heads.
 
     One jitted forward + VJP step with traced `cu_seqlens` runs two boundary sets of the same N
@@ -93,7 +93,7 @@ def test_varlen_grouped_new_boundaries_reuse_the_training_step():
     @jax.jit
     def step(inputs, cu_seqlens, cts):
         run = lambda inputs: gla_core.dispatch(
-            "kda", impl="chunk", interpret=True, cu_seqlens=cu_seqlens, **inputs, **static
+            "kda", impl="chunk", interpret=interpret, cu_seqlens=cu_seqlens, **inputs, **static
         )
         outputs, vjp = jax.vjp(run, inputs)
         return outputs, vjp(cts)[0]

@@ -84,9 +84,7 @@ class ChunkedSequences:
     def split(self, x: jax.Array) -> jax.Array:
         """`[B, T, ...]` to `[Bp, NT, C, ...]`, padding slots zero."""
         c, nt = self.chunk_size, self.num_chunks
-        if self.layout is not None and self.total_len == 0:
-            x = jnp.zeros((x.shape[0], nt * c, *x.shape[2:]), x.dtype)  # only empty sequences
-        elif self.layout is not None:
+        if self.layout is not None:
             x = varlen.to_chunks(x, self.layout)
         else:
             widths = [(0, 0), (0, nt * c - self.total_len)] + [(0, 0)] * (x.ndim - 2)
