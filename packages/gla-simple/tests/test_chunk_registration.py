@@ -43,12 +43,20 @@ def test_cpu_declines_chunk_with_the_interpret_hint(op):
 
 
 @pytest.mark.parametrize("op", OPS)
-def test_chunk_wins_in_interpret_mode_and_on_tpu(op):
+@pytest.mark.parametrize(
+    "settings", [dict(backend="cpu", interpret=True), dict(backend="tpu")], ids=["interpret", "tpu"]
+)
+def test_chunk_accepts_in_interpret_mode_and_on_tpu(op, settings):
+    """`chunk` accepts; it wins unless an accepting implementation has a higher priority
+    (gla-fused's fused simple_gla kernels)."""
     arrays, gate = _arrays(op)
-    with gla_core.use(backend="cpu", interpret=True):
-        assert gla_core.explain(op, *arrays, **gate).winner.name == "chunk"
-    with gla_core.use(backend="tpu"):
-        assert gla_core.explain(op, *arrays, **gate, cu_seqlens=None).winner.name == "chunk"
+    with gla_core.use(**settings):
+        resolution = gla_core.explain(op, *arrays, **gate)
+    assert _candidate(resolution, "chunk").accepted
+    accepted = [c.implementation for c in resolution.candidates if c.accepted]
+    assert resolution.winner == max(accepted, key=lambda impl: impl.priority)
+    if op == "gla":
+        assert resolution.winner.name == "chunk"
 
 
 def test_chunk_declines_float64_with_a_reason():

@@ -40,3 +40,13 @@ def pad_axis(x, axis: int, size: int):
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, extra)
     return jnp.pad(x, widths)
+
+
+def unsupported_dtype_reason(dtype: str) -> str | None:
+    """Why a Pallas TPU implementation declines inputs of dtype name `dtype`, or None if it takes them."""
+    if dtype == "float64":
+        return (
+            "float64 inputs: the Pallas TPU kernels compute in bfloat16/float32 "
+            "(cast the inputs to float32, or use impl='xla' or impl='reference')"
+        )
+    return None

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from gla_core import Call, Implementation
+from gla_core.tpu import unsupported_dtype_reason
 from gla_kda.gate import kda_gate
 from gla_kda.l2norm import l2norm
 from gla_kda.pallas import layout as kl
@@ -107,9 +108,7 @@ def kda_chunk(
 
 def supports(call: Call) -> str | None:
     """Declines only what the kernels cannot run: float64 (no 64-bit floats on TPU)."""
-    if call.dtype == "float64":
-        return "float64 inputs: TPU kernels compute in bfloat16/float32; use impl='xla' or 'reference'"
-    return None
+    return unsupported_dtype_reason(call.dtype)
 
 
 def implementations() -> list[Implementation]:

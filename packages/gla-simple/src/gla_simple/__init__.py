@@ -1,7 +1,8 @@
 """gla-simple: ops simple_gla and gla (scalar and per-key decay gated linear attention).
 
-Implementations registered with gla-core (`gla list`): `xla` (chunked plain XLA, the CPU/GPU
-default), `recurrent` (`lax.scan` over time, the decode path). FLA-named functions:
+Implementations registered with gla-core (`gla list`): `chunk` (Pallas TPU kernels of
+`gla_core.chunk`), `xla` (chunked plain XLA, the CPU/GPU default), `recurrent` (`lax.scan`
+over time, the decode path). FLA-named functions:
 
   chunk_simple_gla(q, k, v, g=None, g_gamma=None, ...)     chunked family
   chunk_gla(q, k, v, g, ...)                                chunked family, per-key decay

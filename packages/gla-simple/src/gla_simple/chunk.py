@@ -13,6 +13,7 @@ import jax
 
 import gla_core
 from gla_core.chunk import chunk_gated_attention
+from gla_core.tpu import unsupported_dtype_reason
 
 PRIORITY = 100
 BACKENDS = frozenset({"tpu"})
@@ -56,12 +57,7 @@ def gla(q, k, v, *, gk, scale, initial_state, output_final_state, cu_seqlens, ch
 
 def supports(call: gla_core.Call) -> str | None:
     """Every call except float64 inputs, which Mosaic cannot compute in."""
-    if call.dtype == "float64":
-        return (
-            "float64 inputs: the Pallas TPU kernels compute in bfloat16/float32 "
-            "(cast the inputs to float32, or use impl='xla' or impl='reference')"
-        )
-    return None
+    return unsupported_dtype_reason(call.dtype)
 
 
 def implementations() -> list[gla_core.Implementation]:

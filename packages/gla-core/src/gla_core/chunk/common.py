@@ -101,13 +101,24 @@ def chunk_iota(chunk: int) -> tuple[jax.Array, jax.Array]:
     return rows, cols
 
 
-def column_to_row(col: jax.Array) -> jax.Array:
-    """`[C, 1]` to `[1, C]` exactly (diagonal select and sublane sum; no transpose op)."""
-    rows, cols = chunk_iota(col.shape[0])
-    return jnp.sum(jnp.where(rows == cols, col, 0.0), axis=0, keepdims=True)
+def _diagonal(size: int) -> jax.Array:
+    rows, cols = chunk_iota(size)
+    return rows == cols
 
 
-def row_to_column(row: jax.Array) -> jax.Array:
-    """`[1, C]` to `[C, 1]` exactly (diagonal select and lane sum; no transpose op)."""
-    rows, cols = chunk_iota(row.shape[1])
-    return jnp.sum(jnp.where(rows == cols, row, 0.0), axis=1, keepdims=True)
+def column_to_row(col: jax.Array, diagonal: jax.Array | None = None) -> jax.Array:
+    """`[C, 1]` to `[1, C]` exactly (diagonal select and sublane sum; no transpose op).
+
+    `diagonal`: the `[C, C]` bool identity mask, when the caller already has one.
+    """
+    diagonal = _diagonal(col.shape[0]) if diagonal is None else diagonal
+    return jnp.sum(jnp.where(diagonal, col, 0.0), axis=0, keepdims=True)
+
+
+def row_to_column(row: jax.Array, diagonal: jax.Array | None = None) -> jax.Array:
+    """`[1, C]` to `[C, 1]` exactly (diagonal select and lane sum; no transpose op).
+
+    `diagonal`: the `[C, C]` bool identity mask, when the caller already has one.
+    """
+    diagonal = _diagonal(row.shape[1]) if diagonal is None else diagonal
+    return jnp.sum(jnp.where(diagonal, row, 0.0), axis=1, keepdims=True)

@@ -44,39 +44,94 @@ def _mask(condition: jax.Array) -> jax.Array:
     return condition.astype(F32)
 
 
-class ScalarGate:
-    """Scalar per-step log decays of one chunk, `a` as a row `[1, C]` (float32).
+class ChunkMasks:
+    """The iota comparisons `[C, C]` of a chunk (t the row, s the column) that `ScalarGate` uses.
 
-    Quantities are computed when first used, so a kernel traces only what it needs.
+    They depend on C alone, so a kernel that walks several chunks per grid iteration builds one
+    `ChunkMasks` and shares it between the chunks' gates: each mask is traced once, when first
+    used. Float masks are 0/1 matrices for triangular matmuls.
     """
 
-    def __init__(self, a_row: jax.Array, dtype):
-        self.dtype = dtype
-        self.chunk = a_row.shape[1]
-        self.a_row = a_row
+    def __init__(self, chunk: int):
+        self.chunk = chunk
 
     @functools.cached_property
     def _iota(self):
         return chunk_iota(self.chunk)
 
     @functools.cached_property
+    def diagonal(self) -> jax.Array:
+        rows, cols = self._iota
+        return rows == cols
+
+    @functools.cached_property
+    def causal(self) -> jax.Array:
+        """t >= s (bool)."""
+        rows, cols = self._iota
+        return rows >= cols
+
+    @functools.cached_property
+    def lower(self) -> jax.Array:
+        """[t >= s] (float)."""
+        return _mask(self.causal)
+
+    @functools.cached_property
+    def strict_lower(self) -> jax.Array:
+        """[t > s] (float)."""
+        rows, cols = self._iota
+        return _mask(rows > cols)
+
+    @functools.cached_property
+    def upper(self) -> jax.Array:
+        """[t <= s] (float)."""
+        rows, cols = self._iota
+        return _mask(rows <= cols)
+
+    @functools.cached_property
+    def strict_upper(self) -> jax.Array:
+        """[t < s] (float)."""
+        rows, cols = self._iota
+        return _mask(rows < cols)
+
+    def row_to_column(self, row: jax.Array) -> jax.Array:
+        """`common.row_to_column` with this chunk's diagonal."""
+        return row_to_column(row, self.diagonal)
+
+    def column_to_row(self, col: jax.Array) -> jax.Array:
+        """`common.column_to_row` with this chunk's diagonal."""
+        return column_to_row(col, self.diagonal)
+
+
+class ScalarGate:
+    """Scalar per-step log decays of one chunk, `a` as a row `[1, C]` (float32).
+
+    Quantities are computed when first used, so a kernel traces only what it needs. `masks`
+    shares the chunk's iota masks between gates (built here when not given).
+    """
+
+    def __init__(self, a_row: jax.Array, dtype, masks: ChunkMasks | None = None):
+        self.dtype = dtype
+        self.chunk = a_row.shape[1]
+        self.a_row = a_row
+        if masks is not None and masks.chunk != self.chunk:
+            raise ValueError(f"masks: built for chunk {masks.chunk}, the gate has chunk {self.chunk}")
+        self.masks = masks if masks is not None else ChunkMasks(self.chunk)
+
+    @functools.cached_property
     def decay(self) -> jax.Array:
         """e^{b_t - b_s} for t >= s, else 0: [C, C]."""
-        rows, cols = self._iota
+        m = self.masks
         # segment[t, s] = sum_u [s < u <= t] a_u
-        segment = dot(jnp.where(cols <= rows, self.a_row, 0.0), _mask(rows > cols), NN, F32)
-        causal = rows >= cols
-        return jnp.where(causal, jnp.exp(jnp.where(causal, segment, 0.0)), 0.0)
+        segment = dot(jnp.where(m.causal, self.a_row, 0.0), m.strict_lower, NN, F32)
+        return jnp.where(m.causal, jnp.exp(jnp.where(m.causal, segment, 0.0)), 0.0)
 
     def from_start(self) -> jax.Array:
-        rows, cols = self._iota
-        through = dot(self.a_row, _mask(rows <= cols), NN, F32)  # b_t = sum_{u<=t} a_u, [1, C]
-        return jnp.exp(row_to_column(through))  # [C, 1]
+        through = dot(self.a_row, self.masks.upper, NN, F32)  # b_t = sum_{u<=t} a_u, [1, C]
+        return jnp.exp(self.masks.row_to_column(through))  # [C, 1]
 
     def to_end(self) -> jax.Array:
-        rows, cols = self._iota
-        after = dot(self.a_row, _mask(rows > cols), NN, F32)  # b_L - b_t = sum_{u>t} a_u, [1, C]
-        return jnp.exp(row_to_column(after))  # [C, 1]
+        after = dot(self.a_row, self.masks.strict_lower, NN, F32)  # b_L - b_t = sum_{u>t} a_u, [1, C]
+        return jnp.exp(self.masks.row_to_column(after))  # [C, 1]
 
     def last_decay(self) -> jax.Array:
         return jnp.exp(jnp.sum(self.a_row, axis=1, keepdims=True))  # [1, 1]
@@ -91,10 +146,10 @@ class ScalarGate:
     def gate_grad(self, after: jax.Array, before: jax.Array, total: jax.Array) -> jax.Array:
         """d loss / d a as a row `[1, C]`: `sum_{t>=u} after_t + sum_{s<u} before_s + total`, with
         `after`, `before` `[C, K]` and `total` `[1, K]` summed over keys (triangular matmuls)."""
-        rows, cols = self._iota
-        after_row = column_to_row(jnp.sum(after, axis=1, keepdims=True))
-        before_row = column_to_row(jnp.sum(before, axis=1, keepdims=True))
-        da = dot(after_row, _mask(rows >= cols), NN, F32) + dot(before_row, _mask(rows < cols), NN, F32)
+        m = self.masks
+        after_row = m.column_to_row(jnp.sum(after, axis=1, keepdims=True))
+        before_row = m.column_to_row(jnp.sum(before, axis=1, keepdims=True))
+        da = dot(after_row, m.lower, NN, F32) + dot(before_row, m.strict_upper, NN, F32)
         return da + jnp.sum(total)
 
 

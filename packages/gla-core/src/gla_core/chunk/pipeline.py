@@ -199,6 +199,22 @@ def _backward(config: ChunkConfig, x: KernelInputs, cotangents):
     dq, dk, da = chunk_bwd_dqkg(
         qk, kk, vk, dok, gate, h, dh, specs=config.dqkg_specs(), scale=scale, interpret=interpret
     )
+    return (*op_gradients(config, layout, dq, dk, dv, da, dh0, dht if has_dht else None), None)
+
+
+def op_gradients(config: ChunkConfig, layout, dq, dk, dv, da, dh0, dht):
+    """The kernels' gradients back in the op's layout and input dtypes.
+
+    Args:
+      config: the call's config; layout: its varlen chunk layout or None.
+      dq, dk: [B, H, Tp, Kp]; dv: [B, H, Tp, Vp]; da: the gate gradient of `chunk_bwd_dqkg`;
+      dh0: [N, H, Vp, Kp] float32 initial-state gradients or None;
+      dht: the final-state cotangent [N, H, K, V] or None (passed through empty sequences).
+
+    Returns:
+      (dq, dk, dv, dg, dg_gamma, dgk, d_initial_state), None for arguments the call lacks.
+    """
+    geo = config.geometry
     dq = prepare.from_kernel(dq, geo, layout, geo.key_dim, config.dtype_of("q"))
     dk = prepare.from_kernel(dk, geo, layout, geo.key_dim, config.dtype_of("k"))
     dv = prepare.from_kernel(dv, geo, layout, geo.value_dim, config.dtype_of("v"))
@@ -214,10 +230,10 @@ def _backward(config: ChunkConfig, x: KernelInputs, cotangents):
     if dh0 is not None:
         d_initial = prepare.state_out(dh0, geo)
         if layout is not None:
-            passed = dht.astype(jnp.float32) if has_dht else jnp.zeros_like(d_initial)
+            passed = dht.astype(jnp.float32) if dht is not None else jnp.zeros_like(d_initial)
             d_initial = jnp.where(layout.empty_sequence[:, None, None, None], passed, d_initial)
         d_initial = d_initial.astype(config.dtype_of("initial_state"))
-    return dq, dk, dv, dg, dg_gamma, dgk, d_initial, None
+    return dq, dk, dv, dg, dg_gamma, dgk, d_initial
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -24,6 +24,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from gla_core.chunk.common import column_to_row, row_to_column  # noqa: F401  (the kda kernels use cm.*)
+
 F32 = jnp.float32
 
 
@@ -57,18 +59,6 @@ def lower_mask(n: int, strict: bool):
     """[n, n] bool: j < i (strict) or j <= i."""
     row, col = iota((n, n), 0), iota((n, n), 1)
     return col < row if strict else col <= row
-
-
-def row_to_column(row):
-    """[1, n] -> [n, 1] without a transpose (mask the identity, reduce over lanes)."""
-    n = row.shape[1]
-    return jnp.sum(jnp.where(eye_mask(n), row, 0.0), axis=1, keepdims=True)
-
-
-def column_to_row(col):
-    """[n, 1] -> [1, n] without a transpose (mask the identity, reduce over sublanes)."""
-    n = col.shape[0]
-    return jnp.sum(jnp.where(eye_mask(n), col, 0.0), axis=0, keepdims=True)
 
 
 class SubBlocks:
