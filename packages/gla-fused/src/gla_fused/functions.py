@@ -1,0 +1,75 @@
+"""FLA-named entry point of gla-fused: `fused_chunk_simple_gla`.
+
+It calls `gla_core.dispatch` with the first implementation of its family that accepts the
+call, in this order:
+
+- `fused_g_gamma`: the call's only gate is `g_gamma` (single-call forward and backward);
+- `fused_chunk`: any simple_gla gate (multi-chunk grid steps, two-pass backward);
+- `chunk`, then `xla`: what `chunk_simple_gla` uses, for the calls the fused kernels decline
+  (e.g. packed varlen input) and off TPU, where Pallas kernels run only in TPU interpret mode
+  when asked for (`gla_core.use(interpret=True)` or `GLA_INTERPRET=1`).
+
+The choice depends only on the backend, the interpret setting and the call's static facts,
+never on values; `gla_core.explain` gives every implementation's reason.
+"""
+
+from __future__ import annotations
+
+import jax
+
+import gla_core
+
+FAMILY = ("fused_g_gamma", "fused_chunk", "chunk", "xla")
+
+
+def fused_chunk_implementation(q, k, v, **kwargs) -> str:
+    """The implementation `fused_chunk_simple_gla` uses for this call (the first of `FAMILY` that accepts)."""
+    resolution = gla_core.explain("simple_gla", q, k, v, **kwargs)
+    accepted = {candidate.implementation.name for candidate in resolution.candidates if candidate.accepted}
+    for name in FAMILY:
+        if name in accepted:
+            return name
+    return resolution.winner.name
+
+
+def fused_chunk_simple_gla(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array | None = None,
+    g_gamma: jax.Array | None = None,
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: jax.Array | None = None,
+    chunk_size: int = 64,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Simple gated linear attention on the fused chunk kernels.
+
+    Per head: S_t = exp(g_t + g_gamma) S_{t-1} + k_t v_tᵀ and o_t = scale · q_tᵀ S_t. Arguments
+    and results are those of `gla_simple.chunk_simple_gla`:
+
+    Args:
+      q, k: [B, T, H, K]; v: [B, T, H, V].
+      g: [B, T, H] per-step log decays, or None; g_gamma: [H] per-head log decay, or None.
+      scale: multiplies q·k; default K ** -0.5.
+      initial_state: [N, H, K, V] or None; output_final_state: also return the final state.
+      cu_seqlens: [N+1] int32 packed sequence boundaries (B must be 1), or None.
+      chunk_size: 16, 32, 64 or 128.
+
+    Returns:
+      `(o [B, T, H, V] in v's dtype, final_state [N, H, K, V] float32 or None)`.
+
+    Implementation: see the module doc (`fused_g_gamma`, `fused_chunk`, then `chunk`, `xla`).
+    """
+    kwargs = dict(
+        g=g,
+        g_gamma=g_gamma,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size,
+    )
+    impl = fused_chunk_implementation(q, k, v, **kwargs)
+    return gla_core.dispatch("simple_gla", q, k, v, impl=impl, **kwargs)

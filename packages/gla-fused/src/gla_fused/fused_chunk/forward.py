@@ -1,0 +1,121 @@
+"""`fused_chunk_fwd`: the whole forward in one kernel, the state carried in VMEM, `o` written directly.
+
+Per chunk (b_t the sum of the chunk's log decays through step t, L its last step, S the
+state before the chunk, stored transposed `[V, K]`):
+
+    o_t = scale * ( (q_t * e^{b_t}) S  +  sum_{s<=t} (q_t . k_s) e^{b_t - b_s} v_s )
+    S  <- e^{b_L} S + sum_t (k_t * e^{b_L - b_t}) v_t^T
+
+The grid is (B, H, NV, NT / num_steps): batch, heads and V tiles are parallel, time is
+sequential ("arbitrary"). Each grid iteration loads `num_steps` consecutive chunks, builds
+the chunk masks once and walks the chunks in a static loop, so the per-chunk states never
+leave VMEM (the plain chunk path writes them to HBM for a second kernel to read). The state
+starts from `initial_state` (or zero) at the first iteration; the final state is written
+at the last one. States are float32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from gla_core.chunk.common import NN, NT, TN, compiler_params, cost_estimate, dot, mxu_dtype
+from gla_core.chunk.gates import ChunkMasks, ScalarGate, intra_costs
+from gla_core.tpu import interpret_params
+from gla_fused.fused_chunk.specs import FusedSpecs
+
+F32 = jnp.float32
+
+
+def _fwd_kernel(*refs, num_steps, chunk, has_h0, has_ht, scale, dtype):
+    q_ref, k_ref, v_ref, gate_ref = refs[:4]  # [S*C, K], [S*C, K], [S*C, Vt], [S, 1, C]
+    h0_ref = refs[4] if has_h0 else None  # [Vt, K]
+    o_ref = refs[4 + has_h0]  # [S*C, Vt]
+    ht_ref = refs[5 + has_h0] if has_ht else None  # [Vt, K]
+    state_ref = refs[-1]  # VMEM scratch [Vt, K] float32
+    step = pl.program_id(3)
+
+    @pl.when(step == 0)
+    def _start():
+        state_ref[...] = h0_ref[...].astype(F32) if has_h0 else jnp.zeros(state_ref.shape, F32)
+
+    masks = ChunkMasks(chunk)
+    state = state_ref[...]
+    for s in range(num_steps):
+        rows = pl.ds(s * chunk, chunk)
+        q, k, v = q_ref[rows, :], k_ref[rows, :], v_ref[rows, :]
+        gate = ScalarGate(gate_ref[s], dtype, masks)
+        inter = dot(q.astype(F32) * gate.from_start(), state, NT, dtype)  # [C, Vt]
+        intra = dot(gate.scores(q, k), v, NN, dtype)  # [C, Vt]
+        o_ref[rows, :] = (scale * (inter + intra)).astype(o_ref.dtype)
+        state = state * gate.last_decay() + dot(v, k.astype(F32) * gate.to_end(), TN, dtype)
+    state_ref[...] = state
+
+    if has_ht:
+
+        @pl.when(step == pl.num_programs(3) - 1)
+        def _final():
+            ht_ref[...] = state
+
+
+def fused_chunk_fwd(q, k, v, gate, h0, *, specs: FusedSpecs, scale: float, output_final_state: bool, interpret: bool):
+    """Outputs and final states.
+
+    Args:
+      q, k: [B, H, Tp, K] (Tp = NT * C, K a multiple of 128); v: [B, H, Tp, V].
+      gate: per-step log decays [B, H, NT, 1, C] float32.
+      h0: [B, H, V, K] float32 initial states (transposed) or None.
+      specs: block shapes of this call (forward in time).
+      scale: multiplies the float32 accumulations of o.
+      output_final_state: also return the final states.
+
+    Returns:
+      (o [B, H, Tp, V] in v's dtype, ht [B, H, V, K] float32 or None).
+    """
+    if specs.reverse:
+        raise ValueError("fused_chunk_fwd needs forward-time specs")
+    b, hh, tp, kdim = q.shape
+    vdim = v.shape[-1]
+    c, nt, nv = specs.chunk, specs.num_chunks, specs.num_value_tiles
+    has_h0 = h0 is not None
+    in_specs = [specs.key(), specs.key(), specs.value(), specs.gate()]
+    inputs = [q, k, v, gate]
+    if has_h0:
+        in_specs.append(specs.state())
+        inputs.append(h0)
+    out_shape = [jax.ShapeDtypeStruct((b, hh, tp, vdim), v.dtype)]
+    out_specs = [specs.value()]
+    if output_final_state:
+        out_shape.append(jax.ShapeDtypeStruct((b, hh, vdim, kdim), F32))
+        out_specs.append(specs.state())
+    kernel = functools.partial(
+        _fwd_kernel,
+        num_steps=specs.num_steps,
+        chunk=c,
+        has_h0=has_h0,
+        has_ht=output_final_state,
+        scale=scale,
+        dtype=mxu_dtype(q.dtype),
+    )
+    gate_flops, gate_transcendentals = intra_costs("scalar", c, kdim, products=1)
+    per_chunk = gate_flops + 2 * c * specs.block_v * (2 * kdim + c) + 3 * kdim * specs.block_v
+    chunks = b * hh * nv * nt
+    cost = cost_estimate(chunks * per_chunk, chunks * (gate_transcendentals + 1), [q, k, v, gate, h0, *out_shape])
+    with jax.named_scope("fused_chunk_fwd"):
+        outs = pl.pallas_call(
+            kernel,
+            out_shape=out_shape,
+            grid=specs.grid(b, hh),
+            in_specs=in_specs,
+            out_specs=out_specs,
+            scratch_shapes=[pltpu.VMEM((specs.block_v, kdim), F32)],
+            compiler_params=compiler_params("parallel", "parallel", "parallel", "arbitrary"),
+            interpret=interpret_params(interpret),
+            cost_estimate=cost,
+            name="fused_chunk_fwd",
+        )(*inputs)
+    return outs[0], (outs[1] if output_final_state else None)

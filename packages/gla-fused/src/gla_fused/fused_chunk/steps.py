@@ -1,0 +1,19 @@
+"""How many consecutive chunks one grid iteration of the fused kernels walks."""
+
+from __future__ import annotations
+
+DEFAULT_NUM_STEPS = 4
+
+
+def effective_num_steps(num_chunks: int, num_steps: int) -> int:
+    """The largest divisor of `num_chunks` that is <= `num_steps`.
+
+    The fused kernels' time grid has `num_chunks // steps` iterations of `steps` chunks each,
+    so `steps` must divide the number of chunks NT (e.g. NT = 6 with num_steps = 4 gives 3;
+    a prime NT larger than num_steps gives 1).
+    """
+    if num_chunks < 1:
+        raise ValueError(f"num_chunks: expected a positive number of chunks, got {num_chunks}")
+    if num_steps < 1:
+        raise ValueError(f"num_steps: expected a positive number of chunks per grid iteration, got {num_steps}")
+    return next(steps for steps in range(min(num_steps, num_chunks), 0, -1) if num_chunks % steps == 0)

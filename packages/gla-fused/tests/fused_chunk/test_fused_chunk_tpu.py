@@ -1,0 +1,88 @@
+"""The `fused_chunk` implementation at production shapes for TPU: `jax.export` lowering and
+libtpu compile-only compiles (v5e, v6e) of the forward and the training step.
+
+Shapes: B=2, T=4096, H=16, K=V=128 bf16, chunk 64 (NT = 64, 4 chunks per grid iteration);
+gates g and g_gamma; with h0 and final state. The training step is
+`grad(sum(o * do) + sum(final_state))` over q, k, v, the gate and h0, and also returns o:
+fused_chunk_fwd, then chunk_fwd_h (recomputed states), fused_chunk_bwd_dhdv and
+chunk_bwd_dqkg. Compile tests print each kernel's scoped VMEM (`pytest -s`) and check it
+fits the chip's default scoped VMEM limit.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import gla_core
+from gla_core.tpu_checks import compile_for_tpu, export_for_tpu
+
+BATCH, SEQ_LEN, HEADS, DIM = 2, 4096, 16, 128
+# Mosaic's default scoped VMEM limit per kernel (without --xla_tpu_scoped_vmem_limit_kib).
+DEFAULT_SCOPED_VMEM = {"v5e": 16 * 2**20, "v6e": 32 * 2**20}
+FORWARD_KERNELS = ("fused_chunk_fwd",)
+TRAINING_KERNELS = ("fused_chunk_fwd", "chunk_fwd_h", "fused_chunk_bwd_dhdv", "chunk_bwd_dqkg")
+GATES = ("g", "g_gamma")
+
+
+def _problem(gate: str):
+    """(forward, training step, forward structs, training structs) for one gate kind."""
+    bf16 = jnp.bfloat16
+    gate_struct = {
+        "g": jax.ShapeDtypeStruct((BATCH, SEQ_LEN, HEADS), bf16),
+        "g_gamma": jax.ShapeDtypeStruct((HEADS,), jnp.float32),
+    }[gate]
+    qkv = jax.ShapeDtypeStruct((BATCH, SEQ_LEN, HEADS, DIM), bf16)
+    state = jax.ShapeDtypeStruct((BATCH, HEADS, DIM, DIM), jnp.float32)
+    forward_structs = [qkv, qkv, qkv, gate_struct, state]
+
+    def forward(q, k, v, gate_value, initial_state):
+        return gla_core.dispatch(
+            "simple_gla",
+            q,
+            k,
+            v,
+            **{gate: gate_value},
+            initial_state=initial_state,
+            output_final_state=True,
+            impl="fused_chunk",
+        )
+
+    def train(q, k, v, gate_value, initial_state, do):
+        def loss(*differentiable):
+            o, final_state = forward(*differentiable)
+            return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(final_state), o
+
+        grads, o = jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(q, k, v, gate_value, initial_state)
+        return o, grads
+
+    return forward, train, forward_structs, [*forward_structs, qkv]
+
+
+def _mosaic_calls(exported) -> int:
+    return exported.mlir_module().count("tpu_custom_call")
+
+
+@pytest.mark.lowering
+@pytest.mark.parametrize("gate", GATES)
+def test_fused_chunk_exports_for_tpu(gate):
+    forward, train, forward_structs, train_structs = _problem(gate)
+    assert _mosaic_calls(export_for_tpu(forward, *forward_structs)) == len(FORWARD_KERNELS)
+    assert _mosaic_calls(export_for_tpu(train, *train_structs)) == len(TRAINING_KERNELS)
+
+
+@pytest.mark.tpu_compile
+@pytest.mark.parametrize("chip", sorted(DEFAULT_SCOPED_VMEM))
+@pytest.mark.parametrize("gate", GATES)
+def test_fused_chunk_compiles_for_tpu(gate, chip):
+    forward, train, forward_structs, train_structs = _problem(gate)
+    forward_report = compile_for_tpu(forward, forward_structs, chip=chip)
+    report = compile_for_tpu(train, train_structs, chip=chip)
+    print(f"\nfused_chunk {gate} forward, {forward_report.summary()}")
+    print(f"fused_chunk {gate} training step, {report.summary()}")
+    assert tuple(kernel.name for kernel in forward_report.kernels) == FORWARD_KERNELS
+    assert sorted(kernel.name for kernel in report.kernels) == sorted(TRAINING_KERNELS)
+    for kernel in (*forward_report.kernels, *report.kernels):
+        assert 0 < kernel.scoped_vmem_bytes <= DEFAULT_SCOPED_VMEM[chip], kernel
+        assert kernel.flops and kernel.bytes_accessed, kernel

@@ -1,0 +1,91 @@
+"""The `fused_chunk` implementation without running kernels: the chunks-per-iteration rule,
+its registration and how dispatch sees it (accepts, declines with reasons)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import gla_core
+from gla_core.errors import InvalidArgumentError
+from gla_fused.fused_chunk import impl
+from gla_fused.fused_chunk.steps import effective_num_steps
+
+
+@pytest.mark.parametrize(
+    ("num_chunks", "num_steps", "expected"),
+    [(8, 4, 4), (6, 4, 3), (2, 4, 2), (1, 4, 1), (7, 4, 1), (12, 8, 6), (9, 4, 3), (64, 4, 4), (5, 1, 1)],
+)
+def test_effective_num_steps_is_the_largest_divisor_not_above(num_chunks, num_steps, expected):
+    assert effective_num_steps(num_chunks, num_steps) == expected
+
+
+@pytest.mark.parametrize(("num_chunks", "num_steps"), [(0, 4), (4, 0), (4, -1)])
+def test_effective_num_steps_rejects_non_positive_counts(num_chunks, num_steps):
+    with pytest.raises(ValueError, match="num_"):
+        effective_num_steps(num_chunks, num_steps)
+
+
+def _structs(batch=1, dtype=jnp.float32):
+    shape = (batch, 100, 2, 48)
+    return [jax.ShapeDtypeStruct(shape, dtype) for _ in range(3)], jax.ShapeDtypeStruct(shape[:3], dtype)
+
+
+def _candidate(resolution, name: str):
+    return next(c for c in resolution.candidates if c.implementation.name == name)
+
+
+def test_fused_chunk_is_registered_for_tpu():
+    (fused,) = [i for i in gla_core.implementations("simple_gla") if i.name == "fused_chunk"]
+    assert (fused.priority, fused.backends, fused.package) == (110, frozenset({"tpu"}), "gla-fused")
+    assert fused.interpretable and fused.fn is impl.simple_gla
+
+
+def test_supports_declines_varlen_and_float64_with_reasons():
+    assert impl.supports(gla_core.Call("simple_gla", batch=2, gates={"g"}, backend="tpu")) is None
+    assert impl.supports(gla_core.Call("simple_gla", dtype="bfloat16", backend="tpu")) is None
+    varlen = impl.supports(gla_core.Call("simple_gla", num_sequences=3, gates={"g"}, backend="tpu"))
+    assert "cu_seqlens" in varlen and "impl='chunk'" in varlen
+    assert "float64" in impl.supports(gla_core.Call("simple_gla", dtype="float64", backend="tpu"))
+
+
+def test_explain_on_tpu_picks_fused_chunk_for_g():
+    arrays, g = _structs(batch=2)
+    with gla_core.use(backend="tpu"):
+        resolution = gla_core.explain("simple_gla", *arrays, g=g, output_final_state=True)
+    assert resolution.winner.name == "fused_chunk"
+    assert _candidate(resolution, "chunk").accepted
+
+
+def test_explain_shows_the_varlen_reason_and_falls_back_to_chunk():
+    arrays, g = _structs()
+    with gla_core.use(backend="tpu"):
+        resolution = gla_core.explain("simple_gla", *arrays, g=g, cu_seqlens=jnp.array([0, 37, 100], jnp.int32))
+    assert _candidate(resolution, "fused_chunk").reason == impl.VARLEN_REASON
+    assert impl.VARLEN_REASON in str(resolution)
+    assert resolution.winner.name == "chunk"
+
+
+def test_forcing_fused_chunk_on_varlen_fails_with_the_reason():
+    arrays, g = _structs()
+    with gla_core.use(backend="tpu"), pytest.raises(gla_core.errors.ImplementationDeclinedError, match="cu_seqlens"):
+        gla_core.explain("simple_gla", *arrays, g=g, cu_seqlens=jnp.array([0, 37, 100], jnp.int32), impl="fused_chunk")
+
+
+def test_direct_varlen_call_raises_naming_cu_seqlens():
+    q = jnp.zeros((1, 32, 1, 16), jnp.float32)
+    with pytest.raises(InvalidArgumentError, match="cu_seqlens"):
+        impl.simple_gla(
+            q,
+            q,
+            q,
+            g=None,
+            g_gamma=None,
+            scale=0.25,
+            initial_state=None,
+            output_final_state=False,
+            cu_seqlens=jnp.array([0, 10, 32], jnp.int32),
+            chunk_size=16,
+            interpret=True,
+        )
