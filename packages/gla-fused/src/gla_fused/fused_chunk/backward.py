@@ -28,11 +28,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
-from gla_core.chunk.common import NT, TN, compiler_params, cost_estimate, dot, mxu_dtype
-from gla_core.chunk.gates import ChunkMasks, ScalarGate, intra_costs
-from gla_core.tpu import interpret_params
+from gla_core.chunk.common import NT, TN, dot, mxu_dtype
+from gla_core.chunk.gates import ChunkMasks, ScalarGate
+from gla_fused.fused_chunk.launch import sequential_call
 from gla_fused.fused_chunk.specs import FusedSpecs
 
 F32 = jnp.float32
@@ -89,7 +88,7 @@ def fused_chunk_bwd_dhdv(q, k, do, gate, dht, *, specs: FusedSpecs, scale: float
         raise ValueError("fused_chunk_bwd_dhdv needs reverse-time specs")
     b, hh, tp, kdim = q.shape
     vdim = do.shape[-1]
-    c, nt, nv = specs.chunk, specs.num_chunks, specs.num_value_tiles
+    c, nt = specs.chunk, specs.num_chunks
     has_dht = dht is not None
     in_specs = [specs.key(), specs.key(), specs.value(), specs.gate()]
     inputs = [q, k, do, gate]
@@ -113,21 +112,7 @@ def fused_chunk_bwd_dhdv(q, k, do, gate, dht, *, specs: FusedSpecs, scale: float
         scale=scale,
         dtype=mxu_dtype(q.dtype),
     )
-    gate_flops, gate_transcendentals = intra_costs("scalar", c, kdim, products=1)
-    per_chunk = gate_flops + 2 * c * specs.block_v * (2 * kdim + c) + 3 * kdim * specs.block_v
-    chunks = b * hh * nv * nt
-    cost = cost_estimate(chunks * per_chunk, chunks * (gate_transcendentals + 1), [q, k, do, gate, dht, *out_shape])
-    with jax.named_scope("fused_chunk_bwd_dhdv"):
-        outs = pl.pallas_call(
-            kernel,
-            out_shape=out_shape,
-            grid=specs.grid(b, hh),
-            in_specs=in_specs,
-            out_specs=out_specs,
-            scratch_shapes=[pltpu.VMEM((specs.block_v, kdim), F32)],
-            compiler_params=compiler_params("parallel", "parallel", "parallel", "arbitrary"),
-            interpret=interpret_params(interpret),
-            cost_estimate=cost,
-            name="fused_chunk_bwd_dhdv",
-        )(*inputs)
+    outs = sequential_call(
+        kernel, "fused_chunk_bwd_dhdv", inputs, in_specs, out_shape, out_specs, specs=specs, interpret=interpret
+    )
     return outs[0], outs[1], (outs[2] if need_dh0 else None)

@@ -21,11 +21,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
-from gla_core.chunk.common import NN, NT, TN, compiler_params, cost_estimate, dot, mxu_dtype
-from gla_core.chunk.gates import ChunkMasks, ScalarGate, intra_costs
-from gla_core.tpu import interpret_params
+from gla_core.chunk.common import NN, NT, TN, dot, mxu_dtype
+from gla_core.chunk.gates import ChunkMasks, ScalarGate
+from gla_fused.fused_chunk.launch import sequential_call
 from gla_fused.fused_chunk.specs import FusedSpecs
 
 F32 = jnp.float32
@@ -80,7 +79,7 @@ def fused_chunk_fwd(q, k, v, gate, h0, *, specs: FusedSpecs, scale: float, outpu
         raise ValueError("fused_chunk_fwd needs forward-time specs")
     b, hh, tp, kdim = q.shape
     vdim = v.shape[-1]
-    c, nt, nv = specs.chunk, specs.num_chunks, specs.num_value_tiles
+    c = specs.chunk
     has_h0 = h0 is not None
     in_specs = [specs.key(), specs.key(), specs.value(), specs.gate()]
     inputs = [q, k, v, gate]
@@ -101,21 +100,7 @@ def fused_chunk_fwd(q, k, v, gate, h0, *, specs: FusedSpecs, scale: float, outpu
         scale=scale,
         dtype=mxu_dtype(q.dtype),
     )
-    gate_flops, gate_transcendentals = intra_costs("scalar", c, kdim, products=1)
-    per_chunk = gate_flops + 2 * c * specs.block_v * (2 * kdim + c) + 3 * kdim * specs.block_v
-    chunks = b * hh * nv * nt
-    cost = cost_estimate(chunks * per_chunk, chunks * (gate_transcendentals + 1), [q, k, v, gate, h0, *out_shape])
-    with jax.named_scope("fused_chunk_fwd"):
-        outs = pl.pallas_call(
-            kernel,
-            out_shape=out_shape,
-            grid=specs.grid(b, hh),
-            in_specs=in_specs,
-            out_specs=out_specs,
-            scratch_shapes=[pltpu.VMEM((specs.block_v, kdim), F32)],
-            compiler_params=compiler_params("parallel", "parallel", "parallel", "arbitrary"),
-            interpret=interpret_params(interpret),
-            cost_estimate=cost,
-            name="fused_chunk_fwd",
-        )(*inputs)
+    outs = sequential_call(
+        kernel, "fused_chunk_fwd", inputs, in_specs, out_shape, out_specs, specs=specs, interpret=interpret
+    )
     return outs[0], (outs[1] if output_final_state else None)
