@@ -253,13 +253,17 @@ def render_markdown(rows: Sequence[CostRow]) -> str:
                 )
         fitted = [r for r in rows if r.problem == problem and r.cycles]
         if fitted:
-            seq_len = problem.spec["seq_len"]
+            spec = problem.spec
+            programs = spec["batch"] * spec["heads"]
+            fit_lens = ", ".join(str(t) for t, _ in fitted[0].cycles[0][1].points)
             lines += [
                 "",
-                f"Static cycle estimates (v6e LLO profile, fitted as a + b*T at T = "
-                f"{', '.join(str(t) for t, _ in fitted[0].cycles[0][1].points)} and extrapolated to T = {seq_len}):",
+                f"Static cycle estimates (v6e LLO profile): each kernel compiled with B = H = 1 at T = {fit_lens}, "
+                f"fitted as a + b*T, and extrapolated linearly in grid steps to B*H*T = "
+                f"{spec['batch']}*{spec['heads']}*{spec['seq_len']} as a + b*B*H*T:",
                 "",
-                "| impl | stage: kernel | a (cycles) | b (cycles per token) | cycles at T | fit points (T: cycles) |",
+                "| impl | stage: kernel | a (cycles) | b (cycles per token and head) | cycles at B*H*T "
+                "| fit points (T: cycles) |",
                 "|---|---|---|---|---|---|",
             ]
             for row in fitted:
@@ -267,7 +271,7 @@ def render_markdown(rows: Sequence[CostRow]) -> str:
                     points = ", ".join(f"{t}: {c}" for t, c in fit.points)
                     lines.append(
                         f"| {row.implementation} | {stage}: {fit.kernel} | {fit.intercept:.0f} | {fit.slope:.1f} | "
-                        f"{fit.at(seq_len) / 1e6:.2f} M | {points} |"
+                        f"{fit.at(spec['seq_len'], programs) / 1e6:.2f} M | {points} |"
                     )
         lines.append("")
     return "\n".join(lines)

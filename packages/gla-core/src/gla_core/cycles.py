@@ -3,9 +3,11 @@
 libtpu writes its static LLO profile (estimated cycles per HLO op, Mosaic kernels included)
 when `LIBTPU_INIT_ARGS=--xla_jf_dump_static_llo_profile_to=DIR` is set at start-up. The flag
 is process-wide and a failing compile can abort the process, so each compile runs in a
-subprocess. Large grids are slow to compile, so kernels are compiled at a few short sequence
-lengths and their cycles fitted linearly in T (the time grid axis), then extrapolated; the
-fit and its points are reported. Compiler estimates, not measurements.
+subprocess. Large grids are slow to compile (the profile of a B=2, H=16 gla kernel at T=1024
+took over 14 GB and 15 minutes), so every kernel is compiled on a small grid, one batch row
+and one head (`FIT_BATCH`, `FIT_HEADS`), at a few sequence lengths; its cycles are fitted
+linearly in T and extrapolated linearly in grid steps, which grow as B * H * T. The fit and
+its points are reported. Compiler estimates, not measurements.
 """
 
 from __future__ import annotations
@@ -22,21 +24,25 @@ from collections.abc import Sequence
 
 import numpy as np
 
-FIT_SEQ_LENS = (256, 512, 1024)
+FIT_SEQ_LENS = (512, 1024, 2048)
+FIT_BATCH = FIT_HEADS = 1
 _ESTIMATE = re.compile(r'hlo_op_name:\s*"([^"]+)"\s*estimated_cycles:\s*(\d+)')
 
 
 @dataclasses.dataclass(frozen=True)
 class CycleFit:
-    """cycles(T) ≈ intercept + slope * T for one kernel, from compiles at `points` [(T, cycles)]."""
+    """cycles ≈ intercept + slope * T for one kernel on the fit grid (B = H = 1), from compiles at
+    `points` [(T, cycles)]."""
 
     kernel: str
     intercept: float
     slope: float
     points: tuple[tuple[int, int], ...]
 
-    def at(self, seq_len: int) -> float:
-        return self.intercept + self.slope * seq_len
+    def at(self, seq_len: int, programs: int = 1) -> float:
+        """Cycles at length `seq_len` for `programs` = B * H (batch, head) pairs: the per-token
+        cost scales with the grid steps, the intercept is paid once."""
+        return self.intercept + self.slope * seq_len * programs
 
 
 def parse_profiles(directory: pathlib.Path) -> dict[str, int]:
@@ -61,15 +67,17 @@ def _compile_in_subprocess(spec: dict, directory: pathlib.Path) -> None:
 
 
 def kernel_cycles(spec: dict, kernels: Sequence[str], seq_lens: Sequence[int] = FIT_SEQ_LENS) -> list[CycleFit]:
-    """Fits each named kernel's static cycles linearly in T from compiles at `seq_lens`.
+    """Fits each named kernel's static cycles linearly in T from compiles at `seq_lens` with one
+    batch row and one head.
 
-    `spec` describes the forward or training step to compile (see `_main`); `kernels` are the
-    named scopes of the Pallas kernels to fit.
+    `spec` describes the forward or training step to compile (see `_main`; its batch, heads
+    and seq_len are replaced); `kernels` are the named scopes of the Pallas kernels to fit.
     """
     samples: dict[str, list[tuple[int, int]]] = {k: [] for k in kernels}
     for seq_len in seq_lens:
         with tempfile.TemporaryDirectory() as tmp:
-            _compile_in_subprocess({**spec, "seq_len": seq_len}, pathlib.Path(tmp))
+            small = {**spec, "batch": FIT_BATCH, "heads": FIT_HEADS, "seq_len": seq_len}
+            _compile_in_subprocess(small, pathlib.Path(tmp))
             cycles = parse_profiles(pathlib.Path(tmp))
         for kernel in kernels:
             if kernel in cycles:
@@ -88,11 +96,11 @@ def _main(spec: dict) -> None:
     from gla_core.tpu_checks import compile_for_tpu
 
     problem = cost.attention_problem(spec["op"], spec["batch"], spec["seq_len"], spec["heads"], gate=spec["gate"])
-    values = [cost._struct_of(problem, n) for n in problem.differentiable]
+    structs = cost.training_structs(problem)
     if spec["stage"] == "fwd":
-        compile_for_tpu(cost.forward_fn(problem, spec["impl"]), values, chip="v6e")
+        compile_for_tpu(cost.forward_fn(problem, spec["impl"]), structs[:-1], chip="v6e")
     else:
-        compile_for_tpu(cost.training_step_fn(problem, spec["impl"]), [*values, problem.arrays[2]], chip="v6e")
+        compile_for_tpu(cost.training_step_fn(problem, spec["impl"]), structs, chip="v6e")
 
 
 if __name__ == "__main__":
