@@ -29,7 +29,7 @@ from gla_core.tpu_checks import CompileReport, compile_for_tpu
 # HBM bandwidth per chip in bytes/s (public spec sheets).
 HBM_BANDWIDTH = {"v5e": 819e9, "v6e": 1640e9}
 CHIPS = ("v6e", "v5e")
-REGENERATE = "nox -s cost  (runs: gla cost --output docs/perf/tpu-cost.md)"
+REGENERATE = "`nox -s cost` (runs `gla cost --cycles --output docs/perf/tpu-cost.md`)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,7 +213,7 @@ def render_markdown(rows: Sequence[CostRow]) -> str:
         "reserved, temp memory is XLA's `memory_analysis()`. None of it was measured on hardware.",
         "The HBM floor is the bytes any implementation must move divided by the HBM bandwidth.",
         "",
-        f"Regenerate: `{REGENERATE}`.",
+        f"Regenerate: {REGENERATE}. A partial run (`gla cost --op OP ...`) replaces only its rows.",
         "",
     ]
     problems = []
@@ -260,7 +260,8 @@ def render_markdown(rows: Sequence[CostRow]) -> str:
                 "",
                 f"Static cycle estimates (v6e LLO profile): each kernel compiled with B = H = 1 at T = {fit_lens}, "
                 f"fitted as a + b*T, and extrapolated linearly in grid steps to B*H*T = "
-                f"{spec['batch']}*{spec['heads']}*{spec['seq_len']} as a + b*B*H*T:",
+                f"{spec['batch']}*{spec['heads']}*{spec['seq_len']} as a + b*B*H*T "
+                "(a is a fit intercept and can come out slightly negative):",
                 "",
                 "| impl | stage: kernel | a (cycles) | b (cycles per token and head) | cycles at B*H*T "
                 "| fit points (T: cycles) |",
