@@ -61,6 +61,19 @@ def explain(op: str, *arrays: Any, impl: str | None = None, **kwargs: Any) -> Re
     return resolution
 
 
+def first_accepting(op: str, family: tuple[str, ...], *arrays: Any, **kwargs: Any) -> str:
+    """The first implementation named in `family` that accepts this call.
+
+    For functions that pin an implementation family (FLA-named entry points): overrides
+    (`impl=`, `use()`, `GLA_IMPL_<OP>`) do not apply. The last name is the fallback; it is
+    forced while resolving, so it raises `ImplementationDeclinedError` if it declines too.
+    Arrays may be `jax.ShapeDtypeStruct`s.
+    """
+    resolution = explain(op, *arrays, impl=family[-1], **kwargs)
+    accepted = {candidate.implementation.name for candidate in resolution.candidates if candidate.accepted}
+    return next(name for name in family if name in accepted or name == family[-1])
+
+
 def implementations(op: str | None = None) -> tuple[Implementation, ...]:
     """Registered implementations (of `op` when given), highest priority first."""
     return default_registry().implementations(op)

@@ -18,18 +18,14 @@ from __future__ import annotations
 import jax
 
 import gla_core
+from gla_core.dispatch import first_accepting
 
 FAMILY = ("fused_g_gamma", "fused_chunk", "chunk", "xla")
 
 
 def fused_chunk_implementation(q, k, v, **kwargs) -> str:
     """The implementation `fused_chunk_simple_gla` uses for this call (the first of `FAMILY` that accepts)."""
-    resolution = gla_core.explain("simple_gla", q, k, v, **kwargs)
-    accepted = {candidate.implementation.name for candidate in resolution.candidates if candidate.accepted}
-    for name in FAMILY:
-        if name in accepted:
-            return name
-    return resolution.winner.name
+    return first_accepting("simple_gla", FAMILY, q, k, v, **kwargs)
 
 
 def fused_chunk_simple_gla(

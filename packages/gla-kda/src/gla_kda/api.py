@@ -9,17 +9,12 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 import gla_core
+from gla_core.dispatch import first_accepting
 
 
 def _chunk_implementation(arrays, kwargs) -> str:
     """ "chunk" (Pallas TPU) when it is registered and accepts the call, else "xla"."""
-    # Forcing "xla" here only keeps a `use()`/environment override from raising inside
-    # explain(); every candidate's verdict is still computed.
-    resolution = gla_core.explain("kda", *arrays, impl="xla", **kwargs)
-    for candidate in resolution.candidates:
-        if candidate.implementation.name == "chunk" and candidate.accepted:
-            return "chunk"
-    return "xla"
+    return first_accepting("kda", ("chunk", "xla"), *arrays, **kwargs)
 
 
 def chunk_kda(

@@ -21,6 +21,7 @@ from __future__ import annotations
 import jax
 
 import gla_core
+from gla_core.dispatch import first_accepting
 
 CHUNK = "chunk"
 CHUNK_FALLBACK = "xla"
@@ -29,9 +30,7 @@ RECURRENT = "recurrent"
 
 def chunk_implementation(op: str, q, k, v, **kwargs) -> str:
     """The chunked-family implementation `chunk_*` use for this call: "chunk" if it accepts, else "xla"."""
-    resolution = gla_core.explain(op, q, k, v, impl=CHUNK_FALLBACK, **kwargs)
-    accepted = {candidate.implementation.name for candidate in resolution.candidates if candidate.accepted}
-    return CHUNK if CHUNK in accepted else CHUNK_FALLBACK
+    return first_accepting(op, (CHUNK, CHUNK_FALLBACK), q, k, v, **kwargs)
 
 
 def chunk_simple_gla(
