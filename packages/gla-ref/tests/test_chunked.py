@@ -7,10 +7,9 @@ import numpy as np
 import pytest
 
 from gla_ref import chunked, recurrent
-from gla_ref.testing import make_case, relative_error
+from gla_ref.testing import TOLERANCES, make_case, relative_error
 
-# Float64 round-off over ~200 steps is ~1e-15; 1e-12 leaves room without hiding a wrong term.
-TOL = 1e-12
+TOL = TOLERANCES["float64_identity"].output
 
 # Boundaries off the chunk grid, with a zero-length (37..37) and a length-1 (37..38) sequence.
 VARLEN = [0, 37, 37, 38, 150, 200]

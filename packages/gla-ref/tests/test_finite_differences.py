@@ -8,12 +8,10 @@ import numpy as np
 import pytest
 
 from gla_ref import recurrent
-from gla_ref.testing import make_case
+from gla_ref.testing import TOLERANCES, make_case
 
-# Central differences with step 1e-5 have truncation error ~1e-10 and round-off ~1e-11 relative
-# to the loss; 1e-7 separates that from any wrong gradient term.
-STEP = 1e-5
-TOL = 1e-7
+STEP = 1e-5  # the step TOLERANCES["finite_differences"] is stated for
+TOL = TOLERANCES["finite_differences"].grad
 
 TINY = dict(seq_len=7, num_heads=1, key_dim=3, value_dim=2, initial_state=True, output_final_state=True)
 VARLEN = dict(cu_seqlens=[0, 3, 3, 7])

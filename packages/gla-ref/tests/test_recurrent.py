@@ -11,10 +11,10 @@ import pytest
 
 from gla_core.errors import InvalidArgumentError, ShapeError
 from gla_ref import recurrent
-from gla_ref.testing import make_case, relative_error
+from gla_ref.testing import TOLERANCES, make_case, relative_error
 
 # Same float64 arithmetic along different paths: differences are a few ulps.
-TOL = 1e-13
+TOL = TOLERANCES["float64_identity"].output
 
 
 def _float64_inputs(case):

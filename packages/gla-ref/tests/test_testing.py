@@ -82,7 +82,11 @@ def test_tolerances():
     assert bf16.grad >= bf16.output
     assert "bf16" in bf16.reason or "bfloat16" in bf16.reason
     assert testing.tolerance_for(jnp.bfloat16) is bf16
-    assert testing.tolerance_for(jnp.float64) is TOLERANCES["float32"]
+    assert testing.tolerance_for(jnp.float64) is TOLERANCES["float64"]
+    assert TOLERANCES["float64"].output <= 1e-12
+    assert all(t.reason for t in TOLERANCES.values())
+    with pytest.raises(KeyError, match="float16"):
+        testing.tolerance_for(jnp.float16)
 
 
 def test_alibi_g_gamma():
@@ -254,7 +258,7 @@ def test_oracle_outputs_and_gradients_are_float64():
 
 
 # The recurrence in float32 against itself in float64: only float32 round-off remains.
-FLOAT32_SELF_TOL = 1e-5
+FLOAT32_SELF_TOL = TOLERANCES["float32"].output
 
 # gla and kda go through the same comparison in test_plugin.py (via dispatch).
 SELF_CASES = {

@@ -79,8 +79,10 @@ def test_fused_recurrent_functions_forward():
     for case, fn in ((gla_case, gla_simple.fused_recurrent_gla), (simple_case, gla_simple.fused_recurrent_simple_gla)):
         o, final = fn(**case.inputs, output_final_state=True)
         reference = testing.oracle(case)
-        testing.assert_close(f"{fn.__name__} o", o, reference.outputs["o"], 1e-5)
-        testing.assert_close(f"{fn.__name__} final_state", final, reference.outputs["final_state"], 1e-5)
+        testing.assert_close(f"{fn.__name__} o", o, reference.outputs["o"], testing.TOLERANCES["float32"].output)
+        testing.assert_close(
+            f"{fn.__name__} final_state", final, reference.outputs["final_state"], testing.TOLERANCES["float32"].output
+        )
 
 
 @pytest.mark.parametrize("impl", ["xla", "recurrent"])
@@ -99,6 +101,6 @@ def test_vmap_over_a_leading_axis(impl):
     single = jax.jit(value_and_grad)
     for p, case in enumerate(cases):
         (_, o), grads = single(*(case.inputs[n] for n in ("q", "k", "v", "gk")))
-        testing.assert_close(f"o[{p}]", o_batched[p], o, 1e-6)
+        testing.assert_close(f"o[{p}]", o_batched[p], o, testing.TOLERANCES["float32_rearranged"].output)
         for name, g_batched, g in zip(("dq", "dk", "dv", "dgk"), grads_batched, grads, strict=True):
-            testing.assert_close(f"{name}[{p}]", g_batched[p], g, 1e-6)
+            testing.assert_close(f"{name}[{p}]", g_batched[p], g, testing.TOLERANCES["float32_rearranged"].grad)

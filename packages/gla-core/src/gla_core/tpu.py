@@ -2,26 +2,93 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import os
+from collections.abc import Iterator
 
+import jax
 import jax.numpy as jnp
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call
 from jax.experimental.pallas import tpu as pltpu
 
 NUM_LANES = 128  # minor-most dimension of a vreg
 NUM_SUBLANES = 8  # second-minor dimension of a 32-bit vreg
 DETECT_RACES_ENV = "GLA_DETECT_RACES"
+# Simulated TensorCores per device when looking for races: "parallel" grid iterations only
+# overlap (and can race) when at least two cores run them. Two cores make interpret mode about
+# 8x slower, so they are used only while races are looked for.
+RACE_DETECTION_CORES = 2
+
+_detecting_races: contextvars.ContextVar[bool] = contextvars.ContextVar("gla_detecting_races", default=False)
+
+
+def races_detected_by_default() -> bool:
+    """True inside `detect_races()` or when `GLA_DETECT_RACES=1`."""
+    return _detecting_races.get() or os.environ.get(DETECT_RACES_ENV, "") in ("1", "true", "yes")
 
 
 def interpret_params(interpret: bool):
     """The `interpret=` value for `pl.pallas_call`: TPU interpret mode when asked, else False.
 
-    TPU interpret mode checks out-of-bounds blocks and dimension semantics; with
-    `GLA_DETECT_RACES=1` it also looks for races between parallel grid iterations.
+    TPU interpret mode checks out-of-bounds blocks and dimension semantics. Inside
+    `detect_races()` (or with `GLA_DETECT_RACES=1`) it simulates `RACE_DETECTION_CORES`
+    cores and looks for races between grid iterations that run on different cores. Read when
+    a kernel is traced: `detect_races()` clears JAX's caches so no earlier trace is reused.
     """
     if not interpret:
         return False
-    detect_races = os.environ.get(DETECT_RACES_ENV, "") in ("1", "true", "yes")
-    return pltpu.InterpretParams(detect_races=detect_races)
+    if races_detected_by_default():
+        return pltpu.InterpretParams(detect_races=True, num_cores_or_threads=RACE_DETECTION_CORES)
+    return pltpu.InterpretParams()
+
+
+@dataclasses.dataclass
+class RaceReport:
+    """What `detect_races()` saw: the number of kernel runs checked and how many had a race."""
+
+    kernels_checked: int = 0
+    kernels_with_races: int = 0
+
+    @property
+    def races_found(self) -> bool:
+        return self.kernels_with_races > 0
+
+
+@contextlib.contextmanager
+def detect_races() -> Iterator[RaceReport]:
+    """Runs the Pallas kernels interpreted inside the block on two simulated cores, looking for races.
+
+    Yields a `RaceReport` that is complete when the block exits. JAX's caches are cleared on
+    entry and exit, so kernels traced before (or inside) the block are retraced with the right
+    interpret parameters. Not thread-safe: TPU interpret mode keeps global state.
+
+    Example:
+      >>> with gla_core.tpu.detect_races() as report:
+      ...     jax.block_until_ready(dispatch("simple_gla", q, k, v, g=g, impl="chunk", interpret=True))
+      >>> assert report.kernels_checked and not report.races_found
+    """
+    report = RaceReport()
+    states = []
+    original = interpret_pallas_call.RaceDetectionState
+
+    class RecordingRaceDetectionState(original):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            states.append(self)
+
+    token = _detecting_races.set(True)
+    interpret_pallas_call.RaceDetectionState = RecordingRaceDetectionState
+    jax.clear_caches()
+    try:
+        yield report
+    finally:
+        interpret_pallas_call.RaceDetectionState = original
+        _detecting_races.reset(token)
+        jax.clear_caches()
+        report.kernels_checked = len(states)
+        report.kernels_with_races = sum(state.races_found for state in states)
 
 
 def round_up(value: int, multiple: int) -> int:

@@ -28,7 +28,6 @@ from gla_core.chunk.bwd_dv import chunk_bwd_dv
 from gla_core.chunk.fwd_h import chunk_fwd_h
 from gla_core.chunk.fwd_o import chunk_fwd_o
 from gla_core.chunk.pipeline import ChunkConfig, kernel_inputs
-from gla_core.tpu import DETECT_RACES_ENV
 from gla_ref import recurrent
 from gla_ref.testing import TOLERANCES, assert_close, cotangents, make_case, oracle
 
@@ -166,8 +165,7 @@ def _gate_grads(da: jax.Array, problem: Problem) -> dict[str, jax.Array]:
     return {"dg": da, "dg_gamma": jnp.sum(da, axis=(0, 1))}
 
 
-def test_fwd_h_states_and_final_state(problem, monkeypatch, interpret):
-    monkeypatch.setenv(DETECT_RACES_ENV, "1")
+def test_fwd_h_states_and_final_state(problem, no_races, interpret):
     x, config = problem.inputs, problem.config
     h, ht = chunk_fwd_h(
         x.k, x.v, x.gate, x.h0, x.meta, specs=config.specs(), output_final_state=True, interpret=interpret
@@ -185,8 +183,7 @@ def test_fwd_o(problem, interpret):
     assert_close("o", o, problem.reference.outputs["o"], TOL.output)
 
 
-def test_bwd_dh_state_gradients(problem, monkeypatch, interpret):
-    monkeypatch.setenv(DETECT_RACES_ENV, "1")
+def test_bwd_dh_state_gradients(problem, no_races, interpret):
     x, config = problem.inputs, problem.config
     dh, dh0 = chunk_bwd_dh(
         x.q,

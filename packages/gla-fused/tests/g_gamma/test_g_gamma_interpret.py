@@ -17,7 +17,6 @@ import pytest
 
 import gla_core
 from gla_core.chunk import BlockSizes
-from gla_core.tpu import DETECT_RACES_ENV
 from gla_fused.g_gamma import fused_g_gamma_attention
 from gla_ref.testing import check_against_oracle, make_case
 
@@ -76,10 +75,8 @@ def test_fused_g_gamma_matches_oracle(name, interpret):
     assert "dg_gamma" in errors
 
 
-def test_two_value_tiles_without_h0_and_no_races(interpret, monkeypatch, capsys):
+def test_two_value_tiles_without_h0_and_no_races(interpret, no_races):
     """V = 200 in two 128-lane tiles (dq, dk, d gamma summed over tiles), NT = 2, ht but no h0;
-    with interpret-mode race detection on."""
-    monkeypatch.setenv(DETECT_RACES_ENV, "1")
+    with interpret-mode race detection on (two simulated cores)."""
     case = g_gamma_case(seq_len=100, key_dim=100, value_dim=200, chunk_size=64, output_final_state=True, seed=4)
     check_against_oracle(with_block_sizes(interpret, BlockSizes(block_v=128)), case)
-    assert "RACE DETECTED" not in capsys.readouterr().out

@@ -2,8 +2,8 @@
 
 The in-kernel helpers of `gla_kda.pallas.chunk_math` are pure jnp functions, so they are
 checked here directly against float64 numpy brute force (explicit [C, C, K] decay tensors,
-np.linalg.inv), including decays strong enough that exp(G) underflows. Tolerance: 1e-5
-relative (float32 arithmetic on O(C) terms). Also the XLA-side layout helpers and the
+np.linalg.inv), including decays strong enough that exp(G) underflows. Tolerance:
+`TOLERANCES["float32_building_block"]` (float32 arithmetic on O(C) terms). Also the XLA-side layout helpers and the
 registration record.
 """
 
@@ -20,9 +20,9 @@ import gla_core
 from gla_kda.chunk import implementations
 from gla_kda.pallas import chunk_math as cm
 from gla_kda.pallas import layout as kl
-from gla_ref.testing import assert_close
+from gla_ref.testing import TOLERANCES, assert_close
 
-TOL = 1e-5
+TOL = TOLERANCES["float32_building_block"].output
 C, S, K = 64, 16, 32
 
 
