@@ -32,6 +32,13 @@ with q̄ = q ∘ exp(b), k̄ = k ∘ exp(G - b) and dq̄, dk̄ their gradients. 
 as the decay factor it multiplies, so under strong decay (tiny true gradients) nothing O(1)
 cancels; the algebraically equal form q ∘ dq - k ∘ dk loses all precision there.
 
+Zero states and cotangents are kept structural (None), never materialized where a dot would
+read them: XLA:CPU in jaxlib 0.10.2 miscompiles a `__ynn_fusion` that holds a reduction and a
+dot whose operand is a broadcast scalar (the dot reads uninitialised memory; minimal form
+`jnp.sum(x, -1, keepdims=True) + x @ jnp.zeros((64, 64))` under `jax.jit`). A zero initial
+state entering a single chunk, or a zero (unused) output cotangent, would be exactly such an
+operand once XLA folds the one-step scan, so the terms they feed are skipped instead.
+
 Layout inside this module: chunk-major `[NT, Bp*H, C, X]` (the scan runs over the leading axis).
 Batch and heads share one axis: XLA:CPU in jax 0.10.2 can crash (segfault) on rank-7
 multiply-reduce fusions with a size-1 dimension (jax-ml/jax#40412), and `Bp` is 1 for varlen
@@ -39,6 +46,9 @@ input, so every array here stays at rank <= 5 without degenerate batch axes.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -59,15 +69,26 @@ def _per_head(states: jax.Array, heads: int) -> jax.Array:
     return states.reshape(states.shape[0], -1, heads, *states.shape[2:])
 
 
-def _state_scan(decay, contribution, initial, segments: Segments):
-    """States entering every chunk [NT, Bp*H, K, V], resetting at sequence starts.
+def _total(*terms: jax.Array | None) -> jax.Array | None:
+    """The sum of the terms that are not None (None stands for an exact zero); None if all are."""
+    present = [term for term in terms if term is not None]
+    return functools.reduce(jnp.add, present) if present else None
 
-    decay [NT, Bp*H, 1|K] is exp(G_n), contribution [NT, Bp*H, K, V] is U_n.
+
+def _state_scan(decay, contribution, initial, segments: Segments):
+    """States entering every chunk [NT, Bp*H, K, V], resetting at sequence starts, or None when
+    every one is zero (a single chunk and no initial state).
+
+    decay [NT, Bp*H, 1|K] is exp(G_n), contribution [NT, Bp*H, K, V] is U_n, initial
+    [N, H, K, V] or None (zeros).
     """
+    if initial is None and decay.shape[0] == 1:
+        return None
 
     def step(state, chunk):
         decay_n, contribution_n, first_n, sequence_n = chunk
-        state = jnp.where(first_n, _rows(segments.state_for_chunk(initial, sequence_n)), state)
+        entering = 0.0 if initial is None else _rows(segments.state_for_chunk(initial, sequence_n))
+        state = jnp.where(first_n, entering, state)
         return decay_n[..., None] * state + contribution_n, state
 
     carry = jnp.zeros_like(contribution[0])
@@ -75,101 +96,152 @@ def _state_scan(decay, contribution, initial, segments: Segments):
     return before
 
 
-def _state_grad_scan(decay, from_outputs, d_final, segments: Segments):
-    """Reverse scan of the state gradient.
+def _state_grad_scan(decay, from_outputs, d_final, segments: Segments, state_rows_shape):
+    """Reverse scan of the state gradient: the gradient of the state after every chunk
+    [NT, Bp*H, K, V], or None when it is zero.
 
-    from_outputs [NT, Bp*H, K, V] is (q ∘ exp(b))ᵀ do of every chunk. Returns the gradient of the
-    state after every chunk [NT, Bp*H, K, V]; the gradient of the state entering chunk n is
-    from_outputs_n + exp(G_n) ∘ d_after_n (not stacked here: only sequence starts need it).
+    from_outputs [NT, Bp*H, K, V] is (q ∘ exp(b))ᵀ do of every chunk (None: do is zero), d_final
+    [N, H, K, V] the final-state cotangent (None: zero), state_rows_shape (Bp*H, K, V). The
+    gradient of the state entering chunk n is from_outputs_n + exp(G_n) ∘ d_after_n (not stacked
+    here: only sequence starts need it).
     """
+    if d_final is None and (from_outputs is None or decay.shape[0] == 1):
+        return None
 
     def step(d_after, chunk):
         decay_n, from_outputs_n, last_n, sequence_n = chunk
-        d_after = jnp.where(last_n, _rows(segments.state_for_chunk(d_final, sequence_n)), d_after)
-        return from_outputs_n + decay_n[..., None] * d_after, d_after
+        leaving = 0.0 if d_final is None else _rows(segments.state_for_chunk(d_final, sequence_n))
+        d_after = jnp.where(last_n, leaving, d_after)
+        d_before = decay_n[..., None] * d_after
+        return (d_before if from_outputs_n is None else from_outputs_n + d_before), d_after
 
-    carry = jnp.zeros_like(from_outputs[0])
+    carry = jnp.zeros(state_rows_shape, decay.dtype)
     xs = (decay, from_outputs, segments.last, segments.sequence)
     _, d_after = lax.scan(step, carry, xs, reverse=True)
     return d_after
 
 
-def _forward_intermediates(q, k, v, g, initial, segments):
-    b = chunk_cumsum(g)  # Σ_{s <= t} g_s, [NT, Bp*H, C, 1|K]
-    to_end = reverse_chunk_cumsum(g, exclusive=True)  # Σ_{s > t} g_s = G - b_t, summed directly
-    decay = jnp.exp(b[..., -1, :])  # exp(G) [NT, Bp*H, 1|K]
+class _Intermediates(NamedTuple):
+    b: jax.Array  # Σ_{s <= t} g_s inside the chunk, [NT, Bp*H, C, 1|K]
+    to_end: jax.Array  # Σ_{s > t} g_s = G - b_t, summed directly
+    q_decayed: jax.Array  # q ∘ exp(b)
+    k_decayed: jax.Array  # k ∘ exp(G - b)
+    decay: jax.Array  # exp(G), [NT, Bp*H, 1|K]
+    before: jax.Array | None  # states entering every chunk, None when all zero
+    after: jax.Array  # states after every chunk
+
+
+def _forward_intermediates(q, k, v, g, initial, segments) -> _Intermediates:
+    b = chunk_cumsum(g)
+    to_end = reverse_chunk_cumsum(g, exclusive=True)
+    decay = jnp.exp(b[..., -1, :])
     q_decayed = q * jnp.exp(b)
     k_decayed = k * jnp.exp(to_end)
     contribution = einsum("...ck,...cv->...kv", k_decayed, v)
     before = _state_scan(decay, contribution, initial, segments)
-    after = decay[..., None] * before + contribution
-    return b, to_end, q_decayed, k_decayed, decay, before, after
+    after = contribution if before is None else decay[..., None] * before + contribution
+    return _Intermediates(b, to_end, q_decayed, k_decayed, decay, before, after)
 
 
-def _forward(q, k, v, g, initial, segments):
-    _, _, q_decayed, _, _, before, after = _forward_intermediates(q, k, v, g, initial, segments)
-    scores = intra.scores(q, k, g)
-    o = einsum("...ck,...kv->...cv", q_decayed, before) + einsum("...ij,...jv->...iv", scores, v)
-    return o, segments.final_states(_per_head(after, initial.shape[1]), initial)
+def _forward(q, k, v, g, initial, segments, heads):
+    x = _forward_intermediates(q, k, v, g, initial, segments)
+    o = einsum("...ij,...jv->...iv", intra.scores(q, k, g), v)
+    if x.before is not None:
+        o = o + einsum("...ck,...kv->...cv", x.q_decayed, x.before)
+    return o, segments.final_states(_per_head(x.after, heads), initial)
 
 
-@jax.custom_vjp
-def chunked_attention(q, k, v, g, initial, segments):
-    """Chunked gated linear attention on chunk-major float32 inputs.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def chunked_attention(q, k, v, g, initial, segments, heads):
+    """Chunked gated linear attention on chunk-major inputs (float32, or float64 throughout).
 
     Args:
       q: [NT, Bp*H, C, K] queries, already multiplied by the attention scale.
       k: [NT, Bp*H, C, K] keys.
       v: [NT, Bp*H, C, V] values.
-      g: [NT, Bp*H, C, 1] scalar or [NT, Bp*H, C, K] per-key log decays (0 in padding slots).
-      initial: [N, H, K, V] initial states.
+      g: [NT, Bp*H, C, 1] scalar or [NT, Bp*H, C, K] per-key log decays, finite or nan (clamped
+        at `numerics.LOG_DECAY_FLOOR`), 0 in padding slots.
+      initial: [N, H, K, V] initial states, or None for zeros.
       segments: chunk-to-sequence bookkeeping (`gla_simple.layout.Segments`).
+      heads: H (static).
 
     Returns:
-      o [NT, Bp*H, C, V] and the final states [N, H, K, V], float32.
+      o [NT, Bp*H, C, V] and the final states [N, H, K, V].
     """
-    return _forward(q, k, v, g, initial, segments)
+    return _forward(q, k, v, g, initial, segments, heads)
 
 
-def _chunked_attention_fwd(q, k, v, g, initial, segments):
-    return _forward(q, k, v, g, initial, segments), (q, k, v, g, initial, segments)
+def _primal_values(args):
+    is_primal = lambda x: isinstance(x, jax.custom_derivatives.CustomVJPPrimal)
+    return jax.tree.map(lambda x: x.value if is_primal(x) else x, args, is_leaf=is_primal)
 
 
-def _chunked_attention_bwd(residuals, cotangents):
+def _nonzero(cotangent):
+    return None if isinstance(cotangent, jax.custom_derivatives.SymbolicZero) else cotangent
+
+
+def _chunked_attention_fwd(q, k, v, g, initial, segments, heads):
+    q, k, v, g, initial, segments = _primal_values((q, k, v, g, initial, segments))
+    return _forward(q, k, v, g, initial, segments, heads), (q, k, v, g, initial, segments)
+
+
+def _chunked_attention_bwd(heads, residuals, cotangents):
     q, k, v, g, initial, segments = residuals
-    do, d_final = cotangents
-    b, to_end, q_decayed, k_decayed, decay, before, _ = _forward_intermediates(q, k, v, g, initial, segments)
+    do, d_final = (_nonzero(c) for c in cotangents)
+    x = _forward_intermediates(q, k, v, g, initial, segments)
 
-    from_outputs = einsum("...ck,...cv->...kv", q_decayed, do)
-    d_after = _state_grad_scan(decay, from_outputs, d_final, segments)
-    d_before = from_outputs + decay[..., None] * d_after
-    d_initial = segments.initial_state_grad(_per_head(d_before, initial.shape[1]), d_final)
+    state_rows_shape = (q.shape[1], q.shape[-1], v.shape[-1])  # (Bp*H, K, V)
+    from_outputs = None if do is None else einsum("...ck,...cv->...kv", x.q_decayed, do)
+    d_after = _state_grad_scan(x.decay, from_outputs, d_final, segments, state_rows_shape)
+    d_initial = None
+    if initial is not None:
+        d_before = _total(from_outputs, None if d_after is None else x.decay[..., None] * d_after)
+        d_before = jnp.zeros((q.shape[0], *state_rows_shape), q.dtype) if d_before is None else d_before
+        d_initial = segments.initial_state_grad(
+            _per_head(d_before, heads), jnp.zeros_like(initial) if d_final is None else d_final
+        )
 
-    scores = intra.scores(q, k, g)
-    d_scores = einsum("...iv,...jv->...ij", do, v)
-    dq_intra, dk_intra, d_b_intra = intra.score_grads(d_scores, q, k, g, scores)
-    dq_decayed = einsum("...cv,...kv->...ck", do, before)
-    dk_decayed = einsum("...cv,...kv->...ck", v, d_after)
-    dq = jnp.exp(b) * dq_decayed + dq_intra
-    dk = jnp.exp(to_end) * dk_decayed + dk_intra
-    dv = einsum("...ck,...kv->...cv", k_decayed, d_after) + einsum("...ij,...iv->...jv", scores, do)
+    dq_decayed = dk_decayed = from_state = None
+    dq_intra = dk_intra = d_b_intra = dv_intra = None
+    if do is not None:
+        scores = intra.scores(q, k, g)
+        d_scores = einsum("...iv,...jv->...ij", do, v)
+        dq_intra, dk_intra, d_b_intra = intra.score_grads(d_scores, q, k, g, scores)
+        dv_intra = einsum("...ij,...iv->...jv", scores, do)
+        if x.before is not None:
+            dq_decayed = einsum("...cv,...kv->...ck", do, x.before)
+    if d_after is not None:
+        dk_decayed = einsum("...cv,...kv->...ck", v, d_after)
+        if x.before is not None:
+            from_state = x.decay * jnp.sum(x.before * d_after, axis=-1)  # exponent G, [NT, Bp*H, 1|K]
 
-    from_rows = q_decayed * dq_decayed  # exponents b_i
-    from_columns = k_decayed * dk_decayed  # exponents G - b_t
-    from_state = decay * jnp.sum(before * d_after, axis=-1)  # exponent G, [NT, Bp*H, 1|K]
+    zeros = jnp.zeros_like
+    dq = _total(None if dq_decayed is None else jnp.exp(x.b) * dq_decayed, dq_intra)
+    dk = _total(None if dk_decayed is None else jnp.exp(x.to_end) * dk_decayed, dk_intra)
+    dv = _total(None if d_after is None else einsum("...ck,...kv->...cv", x.k_decayed, d_after), dv_intra)
+
+    from_rows = None if dq_decayed is None else x.q_decayed * dq_decayed  # exponents b_i
+    from_columns = None if dk_decayed is None else x.k_decayed * dk_decayed  # exponents G - b_t
     if intra.is_scalar_gate(g):
-        from_rows = jnp.sum(from_rows, axis=-1, keepdims=True)
-        from_columns = jnp.sum(from_columns, axis=-1, keepdims=True)
-        from_state = jnp.sum(from_state, axis=-1, keepdims=True)
-    dg = (
-        reverse_chunk_cumsum(from_rows + d_b_intra)
-        + chunk_cumsum(from_columns, exclusive=True)
-        + from_state[..., None, :]
+        reduce = lambda t: None if t is None else jnp.sum(t, axis=-1, keepdims=True)
+        from_rows, from_columns, from_state = reduce(from_rows), reduce(from_columns), reduce(from_state)
+    rows = _total(from_rows, d_b_intra)
+    dg = _total(
+        None if rows is None else reverse_chunk_cumsum(rows),
+        None if from_columns is None else chunk_cumsum(from_columns, exclusive=True),
+        None if from_state is None else jnp.broadcast_to(from_state[..., None, :], g.shape),
     )
-    return dq, dk, dv, dg, d_initial, None
+    return (
+        zeros(q) if dq is None else dq,
+        zeros(k) if dk is None else dk,
+        zeros(v) if dv is None else dv,
+        zeros(g) if dg is None else dg,
+        d_initial,
+        None,
+    )
 
 
-chunked_attention.defvjp(_chunked_attention_fwd, _chunked_attention_bwd)
+chunked_attention.defvjp(_chunked_attention_fwd, _chunked_attention_bwd, symbolic_zeros=True)
 
 
 def _chunk_major(x: jax.Array) -> jax.Array:
@@ -184,7 +256,11 @@ def _sequence_major(x: jax.Array, batch: int) -> jax.Array:
     return jnp.transpose(x.reshape(chunks, batch, rows // batch, chunk, width), (1, 0, 3, 2, 4))
 
 
-def chunked_core(q, k, v, g, initial, segments):
-    """`chunked_attention` on the shared `[Bp, NT, C, H, X]` layout (see `gla_simple.layout`)."""
-    o, final = chunked_attention(_chunk_major(q), _chunk_major(k), _chunk_major(v), _chunk_major(g), initial, segments)
+def chunked_core(q, k, v, g, initial, segments, state_shape):
+    """`chunked_attention` on the shared `[Bp, NT, C, H, X]` layout (see `gla_simple.layout`);
+    `state_shape` is (N, H, K, V)."""
+    heads = state_shape[1]
+    o, final = chunked_attention(
+        _chunk_major(q), _chunk_major(k), _chunk_major(v), _chunk_major(g), initial, segments, heads
+    )
     return _sequence_major(o, q.shape[0]), final

@@ -1,11 +1,16 @@
-"""From the op's arguments to a chunked float32 core and back.
+"""From the op's arguments to a chunked core and back.
 
 A core is `core(q, k, v, g, initial, segments) -> (o, final)` on the `[Bp, NT, C, H, X]` layout
 of `gla_simple.layout`, with its own `custom_vjp`. This module does what is common to every
-core and left to JAX's autodiff: casting to float32, applying the scale (once, to q), combining
-the gates, the chunk layout (padding or varlen re-layout), and casting `o` to v's dtype. The
-gradients of these steps (the reduction of dg over steps into d g_gamma, the varlen gathers)
-follow by autodiff.
+core and left to JAX's autodiff: casting to the compute dtype (float32; float64 for float64
+inputs), applying the scale (once, to q), combining the gates and clamping them at
+`numerics.LOG_DECAY_FLOOR` (a -inf gate is a hard reset), the chunk layout (padding or varlen
+re-layout), and casting `o` to v's dtype. The gradients of these steps (the reduction of dg over
+steps into d g_gamma, the varlen gathers, the zero gradient of a clamped -inf gate) follow by
+autodiff.
+
+`initial` reaches the core as None when the call has no initial state: a zero state that XLA
+can see as a constant must not meet a dot (see `gla_simple.chunked`).
 """
 
 from __future__ import annotations
@@ -16,8 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from gla_simple.layout import chunk_sequences
-
-F32 = jnp.float32
+from gla_simple.non_finite import NonFinite
+from gla_simple.numerics import compute_dtype, floor_log_decays
 
 # Keyword arguments of the implementations' `fn` that are Python values (static under jax.jit).
 STATIC_ARGUMENTS = ("scale", "output_final_state", "chunk_size", "interpret")
@@ -26,13 +31,15 @@ Core = Callable[..., tuple[jax.Array, jax.Array]]
 
 
 def simple_gla_gate(q: jax.Array, g: jax.Array | None, g_gamma: jax.Array | None) -> jax.Array:
-    """The per-step scalar log decay [B, T, H, 1]: g + g_gamma (either may be None; zeros if both are)."""
+    """The per-step scalar log decay [B, T, H, 1] in the compute dtype: g + g_gamma (either may be
+    None; zeros if both are)."""
     batch, seq_len, heads = q.shape[:3]
-    gate = jnp.zeros((batch, seq_len, heads), F32)
+    dtype = compute_dtype(q.dtype)
+    gate = jnp.zeros((batch, seq_len, heads), dtype)
     if g is not None:
-        gate = gate + g.astype(F32)
+        gate = gate + g.astype(dtype)
     if g_gamma is not None:
-        gate = gate + g_gamma.astype(F32)
+        gate = gate + g_gamma.astype(dtype)
     return gate[..., None]
 
 
@@ -48,6 +55,7 @@ def run(
     output_final_state: bool,
     cu_seqlens: jax.Array | None,
     chunk_size: int,
+    causal_non_finite: bool = True,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Runs `core` on the op's arguments.
 
@@ -60,25 +68,39 @@ def run(
       output_final_state: return the final state.
       cu_seqlens: [N+1] int32 packed sequence boundaries (B == 1) or None.
       chunk_size: C of the chunk layout.
+      causal_non_finite: run the core on finite stand-ins of v and the gates and mark the outputs
+        their non-finite values reach (`gla_simple.non_finite`); a core that never multiplies a
+        future step by 0 (the recurrence) does not need it.
 
     Returns:
-      o [B, T, H, V] in v's dtype, and the final state [N, H, K, V] float32 or None.
+      o [B, T, H, V] in v's dtype, and the final state [N, H, K, V] (float32; float64 for
+      float64 inputs) or None.
     """
     batch, seq_len, heads, key_dim = q.shape
-    value_dim = v.shape[-1]
-    sequences = chunk_sequences(batch, seq_len, chunk_size, cu_seqlens)
+    value_dim, out_dtype = v.shape[-1], v.dtype
+    dtype = compute_dtype(q.dtype)
     num_sequences = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    if initial_state is None:
-        initial = jnp.zeros((num_sequences, heads, key_dim, value_dim), F32)
-    else:
-        initial = initial_state.astype(F32)
+    initial = None if initial_state is None else initial_state.astype(dtype)
+    if batch == 0:  # nothing to compute: the final states are the (empty) initial states
+        final = jnp.zeros((0, heads, key_dim, value_dim), dtype) if initial is None else initial
+        return jnp.zeros(v.shape, v.dtype), (final if output_final_state else None)
+    sequences = chunk_sequences(batch, seq_len, chunk_size, cu_seqlens)
+    segments = sequences.segments()
+    v = sequences.split(v.astype(dtype))
+    gate = sequences.split(floor_log_decays(gate.astype(dtype)))
+    non_finite = NonFinite.find(v, gate) if causal_non_finite else None
+    if non_finite is not None:
+        v, gate = NonFinite.finite(v), NonFinite.finite(gate)
     o, final = core(
-        sequences.split(q.astype(F32) * scale),
-        sequences.split(k.astype(F32)),
-        sequences.split(v.astype(F32)),
-        sequences.split(gate.astype(F32)),
+        sequences.split(q.astype(dtype) * scale),
+        sequences.split(k.astype(dtype)),
+        v,
+        gate,
         initial,
-        sequences.segments(),
+        segments,
+        (num_sequences, heads, key_dim, value_dim),
     )
-    o = sequences.merge(o).astype(v.dtype)
+    if non_finite is not None:
+        o, final = non_finite.mark(o, final, segments)
+    o = sequences.merge(o).astype(out_dtype)
     return o, (final if output_final_state else None)

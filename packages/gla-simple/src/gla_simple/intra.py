@@ -7,7 +7,8 @@ Within one chunk of C steps with per-step log decays g (<= 0):
 Every exponent is a sum of decays over a range of steps, formed from that range's own terms:
 the difference b_i - b_j of cumulative decays is the same number, but in float32 it carries
 an absolute error of ~1e-7 |b_i|, which matters (≈1e-5 relative) when the cumulative decay
-is large and the pair is close.
+is large and the pair is close, and it is lost entirely after a hard reset (a gate clamped at
+`numerics.LOG_DECAY_FLOOR`).
 
 Scalar decay (simple_gla, g [..., C, 1]): the exponent factors out of the sum over d, so
 A = (q kᵀ) ∘ D with D = exp(segment sums of g), masked — one GEMM, C² exponentials.
@@ -17,14 +18,18 @@ exp(x_i) exp(y_j) keeps both factors <= 1 only when the split point lies between
 the chunk is cut into sub-chunks of c steps. Rows of sub-chunk s see the columns of earlier
 sub-chunks split at the step before s: row factor exp(Σ_{start(s) <= t <= i} g_t), column factor
 exp(Σ_{j < t < start(s)} g_t) (one GEMM per row block); the c×c diagonal blocks are computed
-exactly, elementwise over the key dimension.
+exactly, elementwise over the key dimension, from segment sums.
+
+Entries above the diagonal are selected away with `jnp.where`, never multiplied by a zero mask:
+a nan or inf in k or v at step j must not reach the rows i < j (outputs before step j).
 
 The diagonal A[i, i] = q_i · k_i does not depend on g. The gradient with respect to the
 cumulative decay b (d b_i = Σ_j M_ij - Σ_j M_ji with M = dA ∘ A) is formed from the strictly
 lower part only: the diagonal terms cancel in exact arithmetic but not in float32, where they
 are O(1) while the true gradient under strong decay is tiny.
 
-All inputs are float32 with leading batch dims `...` (chunks, batch, heads).
+All inputs share one float dtype (float32, or float64) with leading batch dims `...` (chunks,
+batch, heads).
 """
 
 from __future__ import annotations
@@ -58,11 +63,12 @@ def _scalar_decay(g: jax.Array) -> jax.Array:
 
 
 def _scalar_scores(q, k, g):
-    return einsum("...ik,...jk->...ij", q, k) * _scalar_decay(g)
+    causal = lower_triangle(q.shape[-2])
+    return jnp.where(causal, einsum("...ik,...jk->...ij", q, k) * _scalar_decay(g), 0.0)
 
 
 def _scalar_score_grads(d_scores, q, k, g, scores):
-    weighted = d_scores * _scalar_decay(g)
+    weighted = jnp.where(lower_triangle(q.shape[-2]), d_scores * _scalar_decay(g), 0.0)
     dq = einsum("...ij,...jk->...ik", weighted, k)
     dk = einsum("...ij,...ik->...jk", weighted, q)
     off_diagonal = jnp.where(lower_triangle(q.shape[-2], strict=True), d_scores * scores, 0.0)
@@ -79,6 +85,12 @@ def _scalar_score_grads(d_scores, q, k, g, scores):
 
 def _sub_chunk(chunk: int) -> int:
     return min(SUB_CHUNK, chunk)
+
+
+def _earlier_columns(chunk: int, size: int) -> jax.Array:
+    """[S, C, 1] bool: column j lies in a sub-chunk before sub-chunk s."""
+    count = chunk // size
+    return (jnp.arange(chunk)[None, :] < size * jnp.arange(count)[:, None])[..., None]
 
 
 def _vector_factors(g: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -102,8 +114,9 @@ def _vector_factors(g: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     earlier = (block[None, :] < block[:, None])[:, :, None, None]  # [S, S', 1, 1]
     column = masked_exp(earlier, rest[:, None, :, :, :] + between[:, :, :, None, :])  # [M, S, S', c, K]
     column = column.reshape(rows, count, chunk, keys)
-    flat = local.reshape(rows * count, size, keys)
-    within = masked_exp(lower_triangle(size, strict=True)[:, :, None], flat[:, :, None, :] - flat[:, None, :, :])
+    per_key = jnp.swapaxes(blocks.reshape(rows * count, size, keys), -1, -2)  # [M*S, K, c]
+    pair_sums = jnp.moveaxis(segment_sums(per_key), 1, -1)  # Σ_{j < t <= i} g_t, [M*S, c, c, K]
+    within = masked_exp(lower_triangle(size, strict=True)[:, :, None], pair_sums)
     return row, column, within
 
 
@@ -111,8 +124,8 @@ def _block_diagonal(x: jax.Array, rows: int) -> jax.Array:
     """[M*S, c, c] diagonal blocks -> [M, S*c, S*c] block-diagonal matrices."""
     size = x.shape[-1]
     count = x.shape[0] // rows
-    eye = jnp.eye(count, dtype=x.dtype)
-    full = x.reshape(rows, count, size, 1, size) * eye[None, :, None, :, None]
+    same_block = jnp.eye(count, dtype=bool)[None, :, None, :, None]
+    full = jnp.where(same_block, x.reshape(rows, count, size, 1, size), 0.0)
     return full.reshape(rows, count * size, count * size)
 
 
@@ -121,13 +134,13 @@ def _diagonal_blocks(x: jax.Array, size: int) -> jax.Array:
     rows, chunk = x.shape[0], x.shape[-1]
     count = chunk // size
     blocks = x.reshape(rows, count, size, count, size)
-    picked = einsum("msitj,st->msij", blocks, jnp.eye(count, dtype=x.dtype))
+    picked = jnp.stack([blocks[:, s, :, s, :] for s in range(count)], axis=1)
     return picked.reshape(rows * count, size, size)
 
 
 def _diagonal(x: jax.Array) -> jax.Array:
     """[M, C, C] -> [M, C] diagonal entries."""
-    return jnp.sum(x * jnp.eye(x.shape[-1], dtype=x.dtype), axis=-1)
+    return jnp.diagonal(x, axis1=-2, axis2=-1)
 
 
 def _vector_scores(q, k, g):
@@ -136,12 +149,14 @@ def _vector_scores(q, k, g):
     count = chunk // size
     row, column, within = _vector_factors(g)
     q_rows = q.reshape(rows, count, size, keys) * row
-    k_columns = k[:, None, :, :] * column
+    k_columns = jnp.where(_earlier_columns(chunk, size), k[:, None, :, :] * column, 0.0)
     earlier = einsum("msik,msjk->msij", q_rows, k_columns).reshape(rows, chunk, chunk)
     q_flat, k_flat = q.reshape(-1, size, keys), k.reshape(-1, size, keys)
-    strict = jnp.sum(q_flat[:, :, None, :] * k_flat[:, None, :, :] * within, axis=-1)  # [M*S, c, c]
+    strictly_lower = lower_triangle(size, strict=True)[:, :, None]
+    strict = jnp.sum(jnp.where(strictly_lower, q_flat[:, :, None, :] * k_flat[:, None, :, :] * within, 0.0), axis=-1)
     diagonal = jnp.sum(q * k, axis=-1)  # [M, C]
-    return earlier + _block_diagonal(strict, rows) + diagonal[:, :, None] * jnp.eye(chunk, dtype=q.dtype)
+    on_diagonal = jnp.where(jnp.eye(chunk, dtype=bool), diagonal[:, :, None], 0.0)
+    return earlier + _block_diagonal(strict, rows) + on_diagonal
 
 
 def _vector_score_grads(d_scores, q, k, g):
@@ -149,15 +164,17 @@ def _vector_score_grads(d_scores, q, k, g):
     size = _sub_chunk(chunk)
     count = chunk // size
     row, column, within = _vector_factors(g)
+    earlier_columns = _earlier_columns(chunk, size)
     q_rows = q.reshape(rows, count, size, keys) * row
-    k_columns = k[:, None, :, :] * column
+    k_columns = jnp.where(earlier_columns, k[:, None, :, :] * column, 0.0)
     d_rows = d_scores.reshape(rows, count, size, chunk)
     dq_earlier = (row * einsum("msij,msjk->msik", d_rows, k_columns)).reshape(q.shape)
-    dk_earlier = jnp.sum(column * einsum("msij,msik->msjk", d_rows, q_rows), axis=1)
-    d_within = _diagonal_blocks(d_scores, size)[..., None]  # [M*S, c, c, 1]
+    dk_earlier = jnp.sum(jnp.where(earlier_columns, column * einsum("msij,msik->msjk", d_rows, q_rows), 0.0), axis=1)
+    strictly_lower = lower_triangle(size, strict=True)[:, :, None]
+    d_within = jnp.where(strictly_lower, _diagonal_blocks(d_scores, size)[..., None] * within, 0.0)  # [M*S, c, c, K]
     q_flat, k_flat = q.reshape(-1, size, keys), k.reshape(-1, size, keys)
-    dq_strict = dq_earlier + jnp.sum(d_within * k_flat[:, None, :, :] * within, axis=2).reshape(q.shape)
-    dk_strict = dk_earlier + jnp.sum(d_within * q_flat[:, :, None, :] * within, axis=1).reshape(k.shape)
+    dq_strict = dq_earlier + jnp.sum(d_within * k_flat[:, None, :, :], axis=2).reshape(q.shape)
+    dk_strict = dk_earlier + jnp.sum(d_within * q_flat[:, :, None, :], axis=1).reshape(k.shape)
     d_diagonal = _diagonal(d_scores)[..., None]  # [M, C, 1]
     d_b = q * dq_strict - k * dk_strict
     return dq_strict + d_diagonal * k, dk_strict + d_diagonal * q, d_b

@@ -49,13 +49,14 @@ class Segments:
             return per_sequence
         return jax.lax.dynamic_index_in_dim(per_sequence, sequence, axis=0, keepdims=True)
 
-    def final_states(self, after: jax.Array, initial: jax.Array) -> jax.Array:
-        """Final states `[N, H, K, V]` from the states after every chunk `[NT, Bp, H, K, V]`."""
+    def final_states(self, after: jax.Array, initial: jax.Array | None) -> jax.Array:
+        """Final states `[N, H, K, V]` from the states after every chunk `[NT, Bp, H, K, V]` and the
+        initial states `[N, H, K, V]` (None: zeros)."""
         if not self.varlen:
             return after[-1]
         owned = jnp.where(self.last[:, None, None, None], after[:, 0], 0.0)
         final = jax.ops.segment_sum(owned, self.sequence, num_segments=self.empty.shape[0])
-        return jnp.where(self.empty[:, None, None, None], initial, final)
+        return jnp.where(self.empty[:, None, None, None], 0.0 if initial is None else initial, final)
 
     def initial_state_grad(self, d_before: jax.Array, d_final: jax.Array) -> jax.Array:
         """Gradient `[N, H, K, V]` of the initial states from the gradients of the states entering

@@ -1,8 +1,13 @@
 """Small numeric building blocks of the XLA and recurrent implementations.
 
-Everything here works in float32: matmuls accumulate in f32 at full precision (TPU's
-default f32 matmul would round operands to bf16), and decays are only exponentiated
-once they are known to be <= 0 — masked entries are set to -inf before `exp`.
+Everything here works in the compute dtype (float32, or float64 for float64 inputs): matmuls
+accumulate in it at full precision (TPU's default f32 matmul would round operands to bf16), and
+decays are only exponentiated once they are known to be <= 0 — masked entries are set to -inf
+before `exp`.
+
+Gates reach these helpers clamped at `LOG_DECAY_FLOOR` (see `floor_log_decays`): the cumulative
+and segment sums below are triangular matmuls, where a -inf gate would meet a 0 of the mask
+(0 · -inf = nan) and poison every sum of its chunk.
 """
 
 from __future__ import annotations
@@ -13,10 +18,26 @@ from jax import lax
 
 F32 = jnp.float32
 
+# exp(LOG_DECAY_FLOOR) is exactly 0 in float32 and float64, and a chunk of 128 such gates sums to
+# -1.3e32, still finite in float32: a clamped gate is a hard reset (decay exactly 0).
+LOG_DECAY_FLOOR = -1e30
+
+
+def compute_dtype(dtype) -> jnp.dtype:
+    """The dtype the XLA and recurrent implementations compute in: float64 for float64 inputs, else float32."""
+    return jnp.dtype(jnp.float64) if jnp.dtype(dtype) == jnp.float64 else jnp.dtype(F32)
+
+
+def floor_log_decays(g: jax.Array) -> jax.Array:
+    """Log decays clamped at `LOG_DECAY_FLOOR`: -inf (a hard reset) becomes a finite value whose
+    exp is still exactly 0, and whose gradient is exactly 0, as the recurrence's; nan stays nan."""
+    return jnp.maximum(g, jnp.asarray(LOG_DECAY_FLOOR, g.dtype))
+
 
 def einsum(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
-    """`jnp.einsum` of two operands with float32 accumulation at full precision."""
-    return jnp.einsum(spec, a, b, precision=lax.Precision.HIGHEST, preferred_element_type=F32)
+    """`jnp.einsum` of two operands accumulated at full precision in their (promoted) dtype."""
+    dtype = jnp.promote_types(a.dtype, b.dtype)
+    return jnp.einsum(spec, a, b, precision=lax.Precision.HIGHEST, preferred_element_type=dtype)
 
 
 def masked_exp(mask: jax.Array, x: jax.Array) -> jax.Array:

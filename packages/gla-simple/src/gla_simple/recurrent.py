@@ -59,7 +59,7 @@ def _forward(q, k, v, g, initial, segments):
         after, o_n = lax.scan(token_step, state, (q_n, k_n, v_n, g_n))
         return after, (o_n, state, after)
 
-    carry = jnp.zeros((q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
+    carry = jnp.zeros((q.shape[2], q.shape[3], v.shape[3]), q.dtype)
     xs = (q, k, v, g, segments.first, segments.sequence)
     _, (o, before, after) = lax.scan(segment_step, carry, xs)
     final = segments.final_states(_per_head(after, initial.shape[1]), initial)
@@ -68,7 +68,7 @@ def _forward(q, k, v, g, initial, segments):
 
 @jax.custom_vjp
 def recurrent_attention(q, k, v, g, initial, segments: Segments):
-    """The recurrence on float32 inputs in segment-major layout.
+    """The recurrence in segment-major layout (float32 inputs, or float64 throughout).
 
     Args:
       q: [NT, C, Bp*H, K] queries, already multiplied by the attention scale.
@@ -79,7 +79,7 @@ def recurrent_attention(q, k, v, g, initial, segments: Segments):
       segments: segment-to-sequence bookkeeping (`gla_simple.layout.Segments`).
 
     Returns:
-      o [NT, C, Bp*H, V] and the final states [N, H, K, V], float32.
+      o [NT, C, Bp*H, V] and the final states [N, H, K, V].
     """
     o, final, _ = _forward(q, k, v, g, initial, segments)
     return o, final
@@ -142,8 +142,11 @@ def _sequence_major(x: jax.Array, batch: int) -> jax.Array:
     return jnp.transpose(x.reshape(chunks, chunk, batch, rows // batch, width), (2, 0, 1, 3, 4))
 
 
-def recurrent_core(q, k, v, g, initial, segments):
-    """`recurrent_attention` on the shared `[Bp, NT, C, H, X]` layout (see `gla_simple.layout`)."""
+def recurrent_core(q, k, v, g, initial, segments, state_shape):
+    """`recurrent_attention` on the shared `[Bp, NT, C, H, X]` layout (see `gla_simple.layout`);
+    `initial` is [N, H, K, V] or None (zeros), `state_shape` (N, H, K, V)."""
+    if initial is None:
+        initial = jnp.zeros(state_shape, q.dtype)
     o, final = recurrent_attention(
         _segment_major(q), _segment_major(k), _segment_major(v), _segment_major(g), initial, segments
     )
@@ -169,6 +172,7 @@ def _run(q, k, v, gate, *, scale, initial_state, output_final_state, cu_seqlens,
         output_final_state=output_final_state,
         cu_seqlens=cu_seqlens,
         chunk_size=checkpoint_interval(q.shape[1], chunk_size),
+        causal_non_finite=False,
     )
 
 
