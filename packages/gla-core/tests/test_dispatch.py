@@ -156,3 +156,67 @@ def test_dispatch_works_under_jit_with_traced_cu_seqlens(install_registry, fake_
         return gla_core.dispatch("simple_gla", q, k, v, cu_seqlens=cu)[0]
 
     assert run(jnp.array([0, 3, T])) == pytest.approx(float(q.sum()) + 3, rel=TOLERANCES["float32_rearranged"].output)
+
+
+# ------------------------------------------------------------------ overrides under jax.jit
+
+
+@pytest.fixture
+def array_impls(install_registry, fake_impl, plugin_of):
+    """Two implementations whose outputs differ (q + 1 and q + 2), so a jitted result shows which ran."""
+
+    def adding(amount):
+        def fn(q, k, v, **kwargs):
+            return q + amount, None
+
+        return fn
+
+    install_registry(
+        plugin_of(
+            gla_core.Implementation(**{**fake_impl("one", 20).__dict__, "fn": adding(1.0)}),
+            gla_core.Implementation(**{**fake_impl("two", 10).__dict__, "fn": adding(2.0)}),
+        )
+    )
+
+
+def test_use_takes_effect_on_an_already_jitted_function(array_impls):
+    q, k, v = qkv()
+    f = jax.jit(lambda q, k, v: gla_core.dispatch("simple_gla", q, k, v)[0])
+    assert float(f(q, k, v)[0, 0, 0, 0] - q[0, 0, 0, 0]) == 1.0
+    with gla_core.use(simple_gla="two"):
+        assert float(f(q, k, v)[0, 0, 0, 0] - q[0, 0, 0, 0]) == 2.0
+    assert float(f(q, k, v)[0, 0, 0, 0] - q[0, 0, 0, 0]) == 1.0
+
+
+def test_use_of_an_unknown_implementation_raises_for_an_already_jitted_function(array_impls):
+    q, k, v = qkv()
+    f = jax.jit(lambda q, k, v: gla_core.dispatch("simple_gla", q, k, v)[0])
+    f(q, k, v)
+    with gla_core.use(simple_gla="no_such_impl"), pytest.raises(gla_core.errors.UnknownImplementationError):
+        f(q, k, v)
+
+
+def test_use_is_per_thread_for_jitted_functions(array_impls):
+    import threading
+
+    q, k, v = qkv()
+    f = jax.jit(lambda q, k, v: gla_core.dispatch("simple_gla", q, k, v)[0])
+    f(q, k, v)
+    seen = {}
+
+    def in_thread():
+        with gla_core.use(simple_gla="two"):
+            seen["thread"] = float(f(q, k, v)[0, 0, 0, 0] - q[0, 0, 0, 0])
+
+    with gla_core.use(simple_gla="one"):
+        thread = threading.Thread(target=in_thread)
+        thread.start()
+        thread.join()
+        seen["main"] = float(f(q, k, v)[0, 0, 0, 0] - q[0, 0, 0, 0])
+    assert seen == {"thread": 2.0, "main": 1.0}
+
+
+def test_an_op_without_any_implementation_names_the_package_to_install(install_registry, fake_impl, plugin_of):
+    install_registry(plugin_of(fake_impl("only_kda", 1, op="kda")))
+    with pytest.raises(gla_core.errors.NoImplementationError, match="pip install gla-simple"):
+        gla_core.dispatch("simple_gla", *qkv())

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from importlib import metadata
+
 import pytest
 
 from gla_core import hookimpl
-from gla_core.errors import RegistrationError
-from gla_core.registry import Registry, default_registry, reset_default_registry
+from gla_core.errors import PluginWarning, RegistrationError
+from gla_core.registry import ENTRY_POINT_GROUP, Registry, default_registry, reset_default_registry
 
 
 def test_registered_implementations_are_listed_by_op_then_priority(fake_impl, plugin_of):
@@ -85,22 +87,74 @@ def test_plugin_that_raises_on_import_is_reported_and_skipped(fake_entry_points,
         broken="raise ImportError('missing native library libfoo.so')",
     )
     registry = Registry()
-    registry.load_entry_points()
+    with pytest.warns(PluginWarning, match="libfoo.so"):
+        registry.load_entry_points()
     assert [i.name for i in registry.implementations()] == ["good"]
     (failure,) = registry.failures
     assert failure.plugin == "broken"
     assert "import failed" in failure.error and "libfoo.so" in failure.error
 
 
-def test_plugin_that_conflicts_is_reported_and_the_others_load(fake_entry_points, good_plugin):
+def test_conflicting_third_party_records_are_all_rejected_whatever_the_load_order(fake_entry_points, good_plugin):
     fake_entry_points(
         first=good_plugin(name="first", priority=7),
         second=good_plugin(name="second", priority=7),
+        third=good_plugin(name="third", priority=8),
     )
-    registry = Registry()
-    registry.load_entry_points()
-    assert [i.name for i in registry.implementations()] == ["first"]
-    assert registry.failures[0].plugin == "second" and "ties" in registry.failures[0].error
+    with pytest.warns(PluginWarning) as warned:
+        registry = Registry()
+        registry.load_entry_points()
+    assert [i.name for i in registry.implementations()] == ["third"]
+    assert sorted(f.plugin for f in registry.failures) == ["first", "second"]
+    assert all("priority 7" in f.error and "conflicts" in f.error for f in registry.failures)
+    assert len(warned) == 2
+
+
+def test_an_impostor_cannot_knock_out_a_first_party_package(fake_entry_points, good_plugin, monkeypatch):
+    """A plugin sorting before gla-simple registers simple_gla/xla and ties gla-simple's priority 50:
+    only the impostor's records are rejected, named after their plugin; gla-simple loads whole."""
+    real = list(metadata.entry_points(group=ENTRY_POINT_GROUP))
+    simple = next(ep for ep in real if ep.name == "simple")
+    fake_entry_points(
+        a_impostor=IMPOSTOR,
+        ok=good_plugin(name="harmless", priority=3),
+    )
+    faked = metadata.entry_points(group=ENTRY_POINT_GROUP)
+    monkeypatch.setattr(metadata, "entry_points", lambda group=None: [*faked, simple])
+    with pytest.warns(PluginWarning, match="a_impostor"):
+        registry = Registry()
+        registry.load_entry_points()
+    simple_gla = {i.name: i for i in registry.implementations("simple_gla")}
+    assert simple_gla["xla"].package == "gla-simple" and simple_gla["xla"].fn is not impostor_fn
+    assert {"chunk", "recurrent", "harmless"} <= set(simple_gla)
+    assert "impostor_tie" not in simple_gla
+    assert {f.plugin for f in registry.failures} == {"a_impostor"}
+    messages = " ".join(f.error for f in registry.failures)
+    assert "simple_gla/xla" in messages and "priority 50" in messages
+
+
+def impostor_fn(*arrays, **kwargs):
+    return "impostor"
+
+
+IMPOSTOR = """
+from gla_core import Implementation, hookimpl
+
+def _run(*arrays, **kwargs):
+    return "impostor"
+
+@hookimpl
+def gla_implementations():
+    common = dict(op="simple_gla", fn=_run, backends={"cpu"}, package="gla-simple")
+    return [Implementation(name="xla", priority=999, **common),
+            Implementation(name="impostor_tie", priority=50, **common)]
+"""
+
+
+def test_unknown_names_in_gla_plugins_are_warned_about(fake_entry_points, good_plugin, monkeypatch):
+    fake_entry_points(one=good_plugin(name="one", priority=1))
+    with pytest.warns(PluginWarning, match="not installed: nope"):
+        Registry().load_entry_points(["one", "nope"])
 
 
 def test_gla_plugins_restricts_which_entry_points_load(fake_entry_points, good_plugin, monkeypatch, restore_registry):

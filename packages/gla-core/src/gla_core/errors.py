@@ -56,6 +56,10 @@ class RegistrationError(GlaError, ValueError):
     """A plugin registered an invalid or conflicting implementation."""
 
 
+class PluginWarning(GlaError, UserWarning):
+    """A plugin, or some of its implementations, could not be loaded (they are skipped)."""
+
+
 def describe(value) -> str:
     """A short, readable rendering of a received value for error messages."""
     shape = getattr(value, "shape", None)

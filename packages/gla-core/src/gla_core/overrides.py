@@ -1,19 +1,24 @@
 """Overrides that change dispatch without code changes.
 
 `gla_core.use(simple_gla="chunk", backend="tpu", interpret=True)` is a context manager
-(nestable, thread- and task-local); `GLA_IMPL_<OP>=name` environment variables force an
-implementation per op. Precedence: `impl=` on the call, then `use()`, then the
-environment, then priority.
+(nestable, thread-local); `GLA_IMPL_<OP>=name` environment variables force an implementation
+per op. Precedence: `impl=` on the call, then `use()`, then the environment, then priority.
+
+Dispatch runs when a function is traced, so a jitted function would keep the implementation it
+was first traced with. The active `use()` overrides are therefore part of JAX's jit cache key
+(a `jax.make_user_context`): calling a jitted function inside another `use()` block retraces it,
+and the override takes effect (or raises, e.g. for an unknown implementation). Environment
+variables are read at trace time: set them before the process starts.
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import os
 from collections.abc import Iterator, Mapping
-from types import MappingProxyType
+
+import jax
 
 from gla_core.errors import InvalidArgumentError, UnknownOpError
 from gla_core.records import BACKENDS, OPS
@@ -21,25 +26,42 @@ from gla_core.records import BACKENDS, OPS
 
 @dataclasses.dataclass(frozen=True)
 class Overrides:
-    """The active overrides: forced implementation per op, target backend, interpret mode."""
+    """The active overrides: forced implementation per op, target backend, interpret mode.
 
-    implementations: Mapping[str, str] = dataclasses.field(default_factory=lambda: MappingProxyType({}))
+    Hashable (it is part of JAX's jit cache key): `implementations` is a sorted tuple of
+    (op, implementation name) pairs; `forced(op)` reads it.
+    """
+
+    implementations: tuple[tuple[str, str], ...] = ()
     backend: str | None = None
     interpret: bool | None = None
 
+    def forced(self, op: str) -> str | None:
+        """The implementation forced for `op`, or None."""
+        return dict(self.implementations).get(op)
+
+    def merged(self, implementations: Mapping[str, str], backend: str | None, interpret: bool | None) -> Overrides:
+        """These overrides with the given ones on top."""
+        return Overrides(
+            implementations=tuple(sorted({**dict(self.implementations), **implementations}.items())),
+            backend=backend if backend is not None else self.backend,
+            interpret=interpret if interpret is not None else self.interpret,
+        )
+
 
 NO_OVERRIDES = Overrides()
-_ACTIVE: contextvars.ContextVar[Overrides | None] = contextvars.ContextVar("gla_overrides", default=None)
+# Created once at import (creating user contexts is not thread-safe); thread-local values.
+_ACTIVE = jax.make_user_context(default_value=NO_OVERRIDES)
 
 
 def current() -> Overrides:
-    """The overrides set by the innermost active `use()`."""
-    return _ACTIVE.get() or NO_OVERRIDES
+    """The overrides set by the innermost active `use()` of this thread."""
+    return _ACTIVE.value
 
 
 @contextlib.contextmanager
 def use(*, backend: str | None = None, interpret: bool | None = None, **implementations: str) -> Iterator[Overrides]:
-    """Overrides dispatch inside a `with` block.
+    """Overrides dispatch inside a `with` block (also for jitted functions called inside it).
 
     Args:
       backend: target backend ("cpu", "gpu", "tpu"). "tpu" on a host without a TPU lets
@@ -61,17 +83,9 @@ def use(*, backend: str | None = None, interpret: bool | None = None, **implemen
         raise InvalidArgumentError(f"use(backend=...): expected one of {sorted(BACKENDS)}, got {backend!r}")
     if interpret is not None and not isinstance(interpret, bool):
         raise InvalidArgumentError(f"use(interpret=...): expected a bool, got {interpret!r}")
-    outer = current()
-    merged = Overrides(
-        implementations=MappingProxyType({**outer.implementations, **implementations}),
-        backend=backend if backend is not None else outer.backend,
-        interpret=interpret if interpret is not None else outer.interpret,
-    )
-    token = _ACTIVE.set(merged)
-    try:
+    merged = current().merged(implementations, backend, interpret)
+    with _ACTIVE(merged):
         yield merged
-    finally:
-        _ACTIVE.reset(token)
 
 
 def env_variable(op: str) -> str:
@@ -81,7 +95,7 @@ def env_variable(op: str) -> str:
 
 def forced_implementation(op: str) -> tuple[str, str] | None:
     """The implementation forced for `op` by `use()` or the environment, with its source."""
-    name = current().implementations.get(op)
+    name = current().forced(op)
     if name is not None:
         return name, f"gla_core.use({op}={name!r})"
     name = os.environ.get(env_variable(op), "").strip()

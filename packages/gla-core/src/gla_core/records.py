@@ -13,6 +13,14 @@ from typing import Any
 
 OPS = ("simple_gla", "gla", "kda", "kda_gate")
 BACKENDS = frozenset({"cpu", "gpu", "tpu"})
+# The distributions of this project that implement each op (gla-ref's `reference` serves every op).
+OP_PROVIDERS = {
+    "simple_gla": ("gla-simple", "gla-fused"),
+    "gla": ("gla-simple",),
+    "kda": ("gla-kda",),
+    "kda_gate": ("gla-kda",),
+}
+FIRST_PARTY_DISTRIBUTIONS = frozenset({"gla-core", "gla-ref", "gla-simple", "gla-fused", "gla-kda"})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,24 +1,30 @@
 """The plugin registry: discovers implementations through pluggy and keeps them.
 
 Plugins are modules registered under the entry-point group `gla`. Each entry point is
-loaded on its own: one that fails to import, raises in its hook or registers invalid
-records is reported in `failures` and skipped, never breaking the others. `GLA_PLUGINS`
-(comma-separated entry-point names) restricts which entry points load.
+loaded on its own: one that fails to import or raises in its hook is skipped whole; an
+invalid record is skipped alone. Records that conflict (same op and name, or same op and
+priority) are settled independently of load order: the implementations of gla's own
+distributions (`FIRST_PARTY_DISTRIBUTIONS`) are never displaced by another plugin's, and
+two conflicting records of other plugins are both rejected. Every skipped plugin or record is
+reported in `failures` (shown by `gla list`) and warned about (`PluginWarning`).
+`GLA_PLUGINS` (comma-separated entry-point names) restricts which entry points load.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import threading
+import warnings
 from collections.abc import Iterable
 from importlib import metadata
 
 import pluggy
 
 from gla_core import hookspecs
-from gla_core.errors import RegistrationError
-from gla_core.records import BACKENDS, OPS, Implementation
+from gla_core.errors import PluginWarning, RegistrationError
+from gla_core.records import BACKENDS, FIRST_PARTY_DISTRIBUTIONS, OPS, Implementation
 
 ENTRY_POINT_GROUP = "gla"
 PLUGINS_ENV = "GLA_PLUGINS"
@@ -64,26 +70,64 @@ class Registry:
 
     def load_entry_points(self, allowed: Iterable[str] | None = None) -> None:
         """Loads every entry point of group `gla` (only those in `allowed` when given)."""
-        allowed = None if allowed is None else set(allowed)
         entry_points = sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name)
+        if allowed is not None:
+            allowed = set(allowed)
+            unknown = sorted(allowed - {entry_point.name for entry_point in entry_points})
+            if unknown:
+                installed = ", ".join(ep.name for ep in entry_points) or "none"
+                warnings.warn(
+                    f"{PLUGINS_ENV} names plugins that are not installed: {', '.join(unknown)} "
+                    f"(installed: {installed})",
+                    PluginWarning,
+                    stacklevel=2,
+                )
+        offers: list[_Offer] = []
         for entry_point in entry_points:
             if allowed is not None and entry_point.name not in allowed:
                 self._skipped.append(entry_point.name)
                 continue
-            try:
-                plugin = entry_point.load()
-            except Exception as error:
-                reason = f"import failed: {type(error).__name__}: {error}"
-                self._failures.append(PluginFailure(entry_point.name, reason))
-                continue
-            try:
-                self.register(plugin, name=entry_point.name)
-            except Exception as error:
-                self._failures.append(PluginFailure(entry_point.name, f"{type(error).__name__}: {error}"))
+            offers.extend(self._offers_of(entry_point))
+        for offer, reason in _settle_conflicts(offers, self._implementations):
+            if reason is None:
+                self._implementations.append(offer.record)
+            else:
+                self._fail(offer.plugin, f"implementation {offer.record.op}/{offer.record.name} rejected: {reason}")
 
-    def _collect(self, plugin: object, name: str) -> list[Implementation]:
+    def _offers_of(self, entry_point) -> list[_Offer]:
+        """The valid records of one entry point; import and hook failures are reported."""
+        name = entry_point.name
+        try:
+            plugin = entry_point.load()
+        except Exception as error:
+            self._fail(name, f"import failed: {type(error).__name__}: {error}")
+            return []
+        try:
+            self._manager.register(plugin, name=name)
+            records = self._hook_records(plugin, name)
+        except Exception as error:
+            if self._manager.is_registered(plugin):
+                self._manager.unregister(plugin)
+            self._fail(name, f"{type(error).__name__}: {error}")
+            return []
+        first_party = _distribution_name(entry_point) in FIRST_PARTY_DISTRIBUTIONS
+        offers = []
+        for record in records:
+            try:
+                self._check(record, name, [])
+            except RegistrationError as error:
+                self._fail(name, str(error))
+                continue
+            offers.append(_Offer(name, record, first_party))
+        return offers
+
+    def _fail(self, plugin: str, error: str) -> None:
+        self._failures.append(PluginFailure(plugin, error))
+        warnings.warn(f"gla plugin {plugin!r} skipped: {error}", PluginWarning, stacklevel=3)
+
+    def _hook_records(self, plugin: object, name: str) -> list:
         hooks = [h for h in self._manager.hook.gla_implementations.get_hookimpls() if h.plugin is plugin]
-        records: list[Implementation] = []
+        records: list = []
         for hook in hooks:
             try:
                 returned = hook.function()
@@ -97,6 +141,10 @@ class Registry:
                     f"got {type(returned).__name__}"
                 )
             records.extend(returned)
+        return records
+
+    def _collect(self, plugin: object, name: str) -> list[Implementation]:
+        records = self._hook_records(plugin, name)
         for record in records:
             self._check(record, name, [*self._implementations, *records[: records.index(record)]])
         return records
@@ -147,6 +195,51 @@ class Registry:
     def skipped(self) -> tuple[str, ...]:
         """Entry points not loaded because `GLA_PLUGINS` does not list them."""
         return tuple(self._skipped)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Offer:
+    """One record offered by an entry point, before conflicts are settled."""
+
+    plugin: str
+    record: Implementation
+    first_party: bool
+
+
+def _distribution_name(entry_point) -> str | None:
+    name = getattr(getattr(entry_point, "dist", None), "name", None)
+    return None if name is None else name.lower().replace("_", "-")
+
+
+def _settle_conflicts(offers: list[_Offer], registered: list[Implementation]) -> list[tuple[_Offer, str | None]]:
+    """Each offer with None (accepted) or the reason it is rejected, independent of their order.
+
+    Two records conflict when they serve one op with the same name or the same priority. Already
+    registered records and gla's own (first-party) records win against the others; among the
+    others, every record of a conflict is rejected (no plugin wins by loading first).
+    """
+    rejected: dict[int, str] = {}
+    for what in ("name", "priority"):
+        groups: dict = collections.defaultdict(list)
+        for index, offer in enumerate(offers):
+            if index not in rejected:
+                groups[(offer.record.op, getattr(offer.record, what))].append(index)
+        for (op, value), members in groups.items():
+            fixed = [r for r in registered if (r.op, getattr(r, what)) == (op, value)]
+            if len(members) + len(fixed) < 2:
+                continue
+            first_party = [i for i in members if offers[i].first_party]
+            keep = first_party[0] if not fixed and len(first_party) == 1 else None
+            settled = "gla's own implementations take precedence" if keep is not None or fixed else "all rejected"
+            for index in members:
+                if index == keep:
+                    continue
+                others = [f"{r.op}/{r.name} (registered, package {r.package!r})" for r in fixed]
+                others += [
+                    f"{op}/{offers[i].record.name} of plugin {offers[i].plugin!r}" for i in members if i != index
+                ]
+                rejected[index] = f"its {what} {value!r} for {op} conflicts with {', '.join(others)} ({settled})"
+    return [(offer, rejected.get(index)) for index, offer in enumerate(offers)]
 
 
 _lock = threading.Lock()

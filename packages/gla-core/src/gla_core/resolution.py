@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Iterable
 
 from gla_core.errors import ImplementationDeclinedError, NoImplementationError, UnknownImplementationError
-from gla_core.records import Call, Implementation
+from gla_core.records import OP_PROVIDERS, Call, Implementation
 
 INTERPRET_HINT = (
     "to run it here in TPU interpret mode pass interpret=True, set GLA_INTERPRET=1 "
@@ -41,6 +41,12 @@ class Resolution:
 
     def chosen(self) -> Implementation:
         """The winner, or `NoImplementationError` listing why each candidate declined."""
+        if not self.candidates:
+            providers = " or ".join(OP_PROVIDERS.get(self.call.op, ()))
+            raise NoImplementationError(
+                f"{self.call.op}: no implementation is registered (is the package that provides it installed? "
+                f"pip install {providers or 'a gla plugin for this op'}; `gla list` shows plugins that failed to load)"
+            )
         if self.winner is None:
             raise NoImplementationError(
                 f"{self.call.op}: no implementation accepts this call ({self.call.describe()}):\n" + self.report()
