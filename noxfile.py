@@ -1,7 +1,7 @@
 """Developer sessions. `nox -l` lists them; second runs reuse their virtualenvs.
 
 tests              every package's tests and the cross-package tests (oracle, interpret, lowering layers)
-tests-<package>    one package's tests, with only that package and its dependencies installed
+tests-<package>    one package's tests, with only that package, its runtime dependencies and gla-ref installed
 lint               ruff check and ruff format --check
 demo               `gla demo`: every op vs the float64 oracle on this backend
 bench              pytest-benchmark: every implementation side by side (JSON in .benchmarks/)
@@ -14,6 +14,8 @@ from __future__ import annotations
 import glob
 import os
 import pathlib
+import re
+import tomllib
 
 import nox
 
@@ -24,13 +26,25 @@ ROOT = pathlib.Path(__file__).parent
 PYTHON = "3.11"
 JAX = "jax==0.10.2"
 PACKAGES = ("gla-core", "gla-ref", "gla-simple", "gla-fused", "gla-kda")
-# Each package and the packages its tests need (its own dependencies plus gla-ref, the oracle).
+
+
+def workspace_dependencies(package: str) -> tuple[str, ...]:
+    """The workspace packages `package` needs at run time (its `dependencies`, transitively), itself included."""
+    needed, pending = [], [package]
+    while pending:
+        name = pending.pop()
+        if name in needed:
+            continue
+        needed.append(name)
+        metadata = tomllib.loads((ROOT / "packages" / name / "pyproject.toml").read_text())["project"]
+        declared = [re.split(r"[=<>!~ \[;]", requirement, maxsplit=1)[0] for requirement in metadata["dependencies"]]
+        pending.extend(dependency for dependency in declared if dependency in PACKAGES)
+    return tuple(sorted(needed, key=PACKAGES.index))
+
+
+# Each package with its runtime dependencies only, plus gla-ref (the oracle its tests compare with).
 TEST_DEPENDENCIES = {
-    "gla-core": ("gla-core", "gla-ref"),
-    "gla-ref": ("gla-core", "gla-ref"),
-    "gla-simple": ("gla-core", "gla-ref", "gla-simple"),
-    "gla-fused": ("gla-core", "gla-ref", "gla-simple", "gla-fused"),
-    "gla-kda": ("gla-core", "gla-ref", "gla-kda"),
+    package: tuple(sorted({*workspace_dependencies(package), "gla-ref"}, key=PACKAGES.index)) for package in PACKAGES
 }
 TEST_TOOLS = ("pytest>=8", "hypothesis>=6.100", "pytest-benchmark>=4")
 
