@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from collections.abc import Sequence
 
@@ -44,11 +45,16 @@ def command_list(args: argparse.Namespace) -> int:
     return 0
 
 
+DEFAULT_EXPLAIN_BATCH = 2
+
+
 def _shape_structs(args: argparse.Namespace) -> tuple[tuple, dict]:
     """ShapeDtypeStructs for `gla explain` from the command-line shape options."""
     dtype = jnp.dtype(args.dtype)
     s = lambda *shape, dt=dtype: jax.ShapeDtypeStruct(shape, dt)
     b, t, h, k, v = args.batch, args.seq_len, args.heads, args.key_dim, args.value_dim
+    if b is None:
+        b = 1 if args.varlen is not None else DEFAULT_EXPLAIN_BATCH
     hv = args.value_heads or h
     kwargs: dict = {"chunk_size": args.chunk_size, "output_final_state": args.ht}
     n = b
@@ -101,9 +107,21 @@ def command_demo(args: argparse.Namespace) -> int:
     return 0 if passed else 1
 
 
+class MissingExtraError(GlaError, RuntimeError):
+    """An option needs a package that is not installed (checked before any work starts)."""
+
+
+def _require(module: str, purpose: str, install: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise MissingExtraError(f"{purpose} needs {module}, which is not installed: {install}")
+
+
 def command_bench(args: argparse.Namespace) -> int:
     """Times every implementation that runs here, side by side."""
     from gla_core.bench import format_timings, plot_timings, run_bench
+
+    if args.plot:
+        _require("matplotlib", "--plot", "pip install 'gla-core[plot]'")
 
     print(f"gla bench on backend {jax.default_backend()}: B=1 H=4 K=V=128 float32", flush=True)
     timings = run_bench(ops=tuple(args.op or OPS), seq_lens=tuple(args.seq_lens), skip=tuple(args.skip or ()))
@@ -120,6 +138,7 @@ def command_cost(args: argparse.Namespace) -> int:
     from gla_core.cost import CHIPS, measure, production_problems, render_markdown
     from gla_core.progress import progress
 
+    _require("libtpu", "gla cost (compile-only TPU devices)", "pip install 'gla-core[tpu]' (or run nox -s cost)")
     everything = production_problems()
     problems = [p for p in everything if not args.op or p.op in args.op]
     rows = measure(problems, chips=tuple(args.chip or CHIPS), progress=progress, cycles=args.cycles)
@@ -145,7 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     ex = commands.add_parser("explain", help="which implementation serves a call, and why the others decline")
     ex.add_argument("op", choices=OPS)
-    ex.add_argument("-B", "--batch", type=int, default=1)
+    ex.add_argument(
+        "-B", "--batch", type=int, default=None, help=f"default {DEFAULT_EXPLAIN_BATCH}; 1 with --varlen (packed input)"
+    )
     ex.add_argument("-T", "--seq-len", type=int, default=4096)
     ex.add_argument("-H", "--heads", type=int, default=16)
     ex.add_argument("-K", "--key-dim", type=int, default=128)
