@@ -2,6 +2,7 @@
 
 tests              every package's tests and the cross-package tests (oracle, interpret, lowering layers)
 tests-<package>    one package's tests, with only that package, its runtime dependencies and gla-ref installed
+fuzz               the differential fuzzer (tests/fuzz) with its full budget: hours (GLA_FUZZ_SEED to replay)
 lint               ruff check and ruff format --check
 demo               `gla demo`: every op vs the float64 oracle on this backend
 bench              pytest-benchmark: every implementation side by side (JSON in .benchmarks/)
@@ -24,7 +25,10 @@ nox.options.sessions = ["lint", "tests"]
 
 ROOT = pathlib.Path(__file__).parent
 PYTHON = "3.11"
+# The exact JAX every session tests with; the packages declare the tested range (>=0.10.2,<0.11).
 JAX = "jax==0.10.2"
+JAX_TPU = "jax[tpu]==0.10.2"
+JAXLIB = "jaxlib==0.10.2"
 PACKAGES = ("gla-core", "gla-ref", "gla-simple", "gla-fused", "gla-kda")
 
 
@@ -52,7 +56,7 @@ TEST_TOOLS = ("pytest>=8", "hypothesis>=6.100", "pytest-benchmark>=4")
 def install_packages(session: nox.Session, packages=PACKAGES, jax_requirement: str = JAX) -> None:
     """Installs the given workspace packages (editable) with the pinned JAX and the test tools."""
     editable = [arg for name in packages for arg in ("-e", str(ROOT / "packages" / name))]
-    session.install(jax_requirement, *TEST_TOOLS, *editable)
+    session.install(jax_requirement, JAXLIB, *TEST_TOOLS, *editable)
 
 
 @nox.session(python=PYTHON)
@@ -71,6 +75,20 @@ for _package in PACKAGES:
 
     _one_package.__doc__ = f"The tests of {_package} only."
     nox.session(python=PYTHON, name=f"tests-{_package}")(_one_package)
+
+
+@nox.session(python=PYTHON)
+def fuzz(session: nox.Session) -> None:
+    """Every implementation vs the float64 oracle on hypothesis-drawn calls, full budget (tests/fuzz/budget.py)."""
+    install_packages(session)
+    session.run(
+        "pytest",
+        "tests/fuzz",
+        "-p",
+        "no:cacheprovider",
+        *session.posargs,
+        env={"GLA_FUZZ_PROFILE": "full", "TPU_SKIP_MDS_QUERY": "1"},
+    )
 
 
 @nox.session(python=PYTHON)
@@ -111,14 +129,14 @@ def bench(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def tpu_compile(session: nox.Session) -> None:
     """Lowers and compiles every kernel for compile-only v5e/v6e devices (installs jax[tpu])."""
-    install_packages(session, jax_requirement="jax[tpu]==0.10.2")
+    install_packages(session, jax_requirement=JAX_TPU)
     session.run("pytest", "-m", "tpu_compile", "-s", *session.posargs, env={"TPU_SKIP_MDS_QUERY": "1"})
 
 
 @nox.session(python=PYTHON)
 def cost(session: nox.Session) -> None:
     """Writes docs/perf/tpu-cost.md: compiler cost estimates of every TPU implementation (installs jax[tpu])."""
-    install_packages(session, jax_requirement="jax[tpu]==0.10.2")
+    install_packages(session, jax_requirement=JAX_TPU)
     arguments = session.posargs or ["--cycles", "--output", "docs/perf/tpu-cost.md"]
     session.run("gla", "cost", *arguments, env={"TPU_SKIP_MDS_QUERY": "1"})
 
@@ -135,5 +153,5 @@ def tpu_tests(session: nox.Session) -> None:
             "tpu_tests needs a TPU host (no /dev/accel* or /dev/vfio TPU device here). "
             "On this machine run `nox -s tests` (kernels in TPU interpret mode) and `nox -s tpu_compile`."
         )
-    install_packages(session, jax_requirement="jax[tpu]==0.10.2")
+    install_packages(session, jax_requirement=JAX_TPU)
     session.run("pytest", "-m", "not lowering and not tpu_compile", *session.posargs)
