@@ -6,6 +6,8 @@ sequences (varlen, `cu_seqlens` traced); gates g, g_gamma and gk; with h0 and fi
 The training step is `grad(sum(o * do) + sum(final_state))` over every differentiable
 input, and also returns o, so all five kernels are in it. Compile tests print each
 kernel's scoped VMEM (`pytest -s`) and check it fits the chip's default scoped VMEM limit.
+Under `jax.vmap` the kernels fold the mapped axis into B, so a vmapped training step exports
+with the same Mosaic calls (a mapped cu_seqlens runs them in a loop over the mapped elements).
 """
 
 from __future__ import annotations
@@ -81,6 +83,21 @@ def test_chunk_exports_for_tpu(gate, layout):
     forward, train, forward_structs, train_structs = _problem(gate, layout)
     assert _mosaic_calls(export_for_tpu(forward, *forward_structs)) == 2  # fwd_h, fwd_o
     assert _mosaic_calls(export_for_tpu(train, *train_structs)) >= 4  # + bwd_dh, bwd_dv, bwd_dqkg
+
+
+VMAP_SIZE = 2
+
+
+@pytest.mark.lowering
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("gate", ("g", "gk"))
+def test_chunk_vmap_exports_for_tpu(gate, layout):
+    _, train, _, train_structs = _problem(gate, layout)
+    mapped = lambda struct: jax.ShapeDtypeStruct((VMAP_SIZE, *struct.shape), struct.dtype)
+    # every array mapped except cu_seqlens (shared boundaries: the kernels fold the mapped axis into B)
+    in_axes = tuple(None if i == 6 else 0 for i in range(len(train_structs)))
+    structs = [s if axis is None else mapped(s) for s, axis in zip(train_structs, in_axes, strict=True)]
+    assert _mosaic_calls(export_for_tpu(jax.vmap(train, in_axes=in_axes), *structs)) >= 4
 
 
 @pytest.mark.tpu_compile

@@ -28,12 +28,6 @@ def _dispatcher(impl, op):
     return lambda **kwargs: gla_core.dispatch(op, impl=impl, **kwargs)
 
 
-def _with_gate_values(case: testing.Case, name: str, index, value: float) -> testing.Case:
-    inputs = dict(case.inputs)
-    inputs[name] = inputs[name].at[index].set(value)
-    return dataclasses.replace(case, inputs=inputs, label=f"{case.label} {name}{list(index)}={value}")
-
-
 RESETS = {
     # simple_gla g: -inf at the first step, at a chunk boundary (16), inside a chunk and at the last step
     "simple_gla-g": (
@@ -72,7 +66,7 @@ def test_hard_resets_match_the_oracle(impl, name):
     op = options.pop("op")
     case = testing.make_case(op, key_dim=8, value_dim=8, initial_state=True, output_final_state=True, **options)
     for index in positions:
-        case = _with_gate_values(case, gate, index, -np.inf)
+        case = testing.with_values(case, gate, [index], -np.inf)
     errors = testing.check_against_oracle(_dispatcher(impl, op), case)
     assert all(np.isfinite(e) for e in errors.values()), errors
 
@@ -80,7 +74,7 @@ def test_hard_resets_match_the_oracle(impl, name):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_gradient_of_a_minus_inf_gate_is_zero(impl):
     case = testing.make_case("gla", seq_len=40, key_dim=8, value_dim=8, chunk_size=16, output_final_state=True)
-    case = _with_gate_values(case, "gk", (0, 20, 1, 2), -np.inf)
+    case = testing.with_values(case, "gk", [(0, 20, 1, 2)], -np.inf)
     gk = case.inputs["gk"]
 
     def loss(gk):
@@ -110,7 +104,7 @@ def test_a_non_finite_input_affects_no_earlier_output(impl, name, tensor, value)
     case = testing.make_case(op, key_dim=8, value_dim=8, initial_state=True, output_final_state=True, **options)
     step, row, head = 37, 0, 1  # inside a chunk of 16 (32..47); for varlen, in the third sequence
     tensor = {"simple_gla": "g", "gla": "gk"}[op] if tensor == "gate" else tensor
-    poisoned = _with_gate_values(case, tensor, (row, step, head), value)
+    poisoned = testing.with_values(case, tensor, [(row, step, head)], value)
     static = {n: x for n, x in case.options.items() if n != "cu_seqlens"}
     run = jax.jit(lambda arrays: gla_core.dispatch(op, impl=impl, **arrays, **static))
     arrays = lambda c: {**c.inputs, "cu_seqlens": c.options["cu_seqlens"]}

@@ -56,6 +56,13 @@ class RegistrationError(GlaError, ValueError):
     """A plugin registered an invalid or conflicting implementation."""
 
 
+class HigherOrderDerivativeError(GlaError, NotImplementedError):
+    """A Pallas implementation's first-order backward was differentiated (second-order autodiff).
+
+    The message names the implementation and what to use instead (`gla_core.pallas_transforms`).
+    """
+
+
 class PluginWarning(GlaError, UserWarning):
     """A plugin, or some of its implementations, could not be loaded (they are skipped)."""
 

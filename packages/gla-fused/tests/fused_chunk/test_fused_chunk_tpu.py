@@ -6,7 +6,8 @@ gates g and g_gamma; with h0 and final state. The training step is
 `grad(sum(o * do) + sum(final_state))` over q, k, v, the gate and h0, and also returns o:
 fused_chunk_fwd, then chunk_fwd_h (recomputed states), fused_chunk_bwd_dhdv and
 chunk_bwd_dqkg. Compile tests print each kernel's scoped VMEM (`pytest -s`) and check it
-fits the chip's default scoped VMEM limit.
+fits the chip's default scoped VMEM limit. Under `jax.vmap` the kernels fold the mapped axis
+into B: a vmapped training step exports with the same Mosaic calls.
 """
 
 from __future__ import annotations
@@ -70,6 +71,16 @@ def test_fused_chunk_exports_for_tpu(gate):
     forward, train, forward_structs, train_structs = _problem(gate)
     assert _mosaic_calls(export_for_tpu(forward, *forward_structs)) == len(FORWARD_KERNELS)
     assert _mosaic_calls(export_for_tpu(train, *train_structs)) == len(TRAINING_KERNELS)
+
+
+VMAP_SIZE = 2
+
+
+@pytest.mark.lowering
+def test_fused_chunk_vmap_exports_for_tpu():
+    _, train, _, train_structs = _problem("g")
+    structs = [jax.ShapeDtypeStruct((VMAP_SIZE, *s.shape), s.dtype) for s in train_structs]
+    assert _mosaic_calls(export_for_tpu(jax.vmap(train), *structs)) == len(TRAINING_KERNELS)
 
 
 @pytest.mark.tpu_compile

@@ -6,6 +6,8 @@ The training step is `grad(sum(o * do) + sum(final_state))` over q, k, v, g_gamm
 and also returns o: exactly one forward and one backward kernel. Compile tests cover chunk
 sizes 16, 64 (the default) and 128, print each kernel's scoped VMEM and the step's temp
 memory (`pytest -s`) and check the VMEM fits the chip's default scoped VMEM limit.
+Under `jax.vmap` the kernels fold the mapped axis into B (still one kernel per direction);
+a mapped g_gamma runs them in a loop over the mapped elements.
 """
 
 from __future__ import annotations
@@ -71,6 +73,20 @@ def test_fused_g_gamma_exports_one_kernel_per_direction():
     structs = _structs()
     assert _mosaic_calls(export_for_tpu(forward, *structs[:5])) == 1
     assert _mosaic_calls(export_for_tpu(train, *structs)) == 2
+
+
+VMAP_SIZE = 2
+
+
+@pytest.mark.lowering
+@pytest.mark.parametrize("g_gamma_mapped", [False, True], ids=["shared g_gamma", "mapped g_gamma"])
+def test_fused_g_gamma_vmap_exports_for_tpu(g_gamma_mapped):
+    in_axes = (0, 0, 0, 0 if g_gamma_mapped else None, 0, 0)
+    structs = [
+        s if axis is None else jax.ShapeDtypeStruct((VMAP_SIZE, *s.shape), s.dtype)
+        for s, axis in zip(_structs(), in_axes, strict=True)
+    ]
+    assert _mosaic_calls(export_for_tpu(jax.vmap(train, in_axes=in_axes), *structs)) == 2
 
 
 @pytest.mark.tpu_compile

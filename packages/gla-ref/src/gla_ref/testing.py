@@ -641,3 +641,73 @@ def check_against_oracle(fn, case: Case, tolerance: Tolerance | float | None = N
     if failures:
         raise AssertionError(f"{case.label}: {len(failures)} tensor(s) off the oracle\n  " + "\n  ".join(failures))
     return errors
+
+
+# --------------------------------------------------------------------------- special inputs and transforms
+
+
+def with_values(case: Case, name: str, indices, value: float) -> Case:
+    """`case` with `inputs[name][index] = value` for every index (e.g. -inf gates, a NaN in v)."""
+    x = case.inputs[name]
+    for index in indices:
+        x = x.at[index].set(value)
+    return dataclasses.replace(case, inputs={**case.inputs, name: x}, label=f"{case.label} {name}={value}@{indices}")
+
+
+def forward_and_vjp(fn, case: Case):
+    """fn's outputs and gradients on `case` with the oracle's cotangents, as numpy dicts keyed like
+    `OracleResult`, and the oracle itself: `(outputs, grads, oracle(case))`. For checks that need
+    more than `check_against_oracle` (non-finite entries, exact zeros)."""
+    names = case.differentiable
+    constant = {n: x for n, x in case.inputs.items() if n not in names}
+    reference = oracle(case)
+    cts = cotangents(case, {n: x.shape for n, x in reference.outputs.items()}, seed=0)
+
+    def forward(*values):
+        return fn(**dict(zip(names, values, strict=True)), **constant, **case.options)
+
+    @jax.jit
+    def run(values, cts):
+        outputs, vjp = jax.vjp(forward, *values)
+        return outputs, vjp(tuple(ct.astype(out.dtype) for ct, out in zip(cts, outputs, strict=True)))
+
+    cts = tuple(jnp.asarray(cts[n]) for n in ("o", "final_state"))
+    outputs, grads = run(tuple(case.inputs[n] for n in names), cts)
+    outputs = dict(zip(("o", "final_state"), map(np.asarray, outputs), strict=True))
+    return outputs, {"d" + n: np.asarray(g) for n, g in zip(names, grads, strict=True)}, reference
+
+
+def vmapped_against_oracle(fn, cases: list[Case], shared: set[str] = frozenset()) -> None:
+    """`jax.vmap` of fn's forward and VJP over `cases`, each mapped element checked against the oracle
+    of its case (outputs and every gradient, `tolerance_for` the dtype).
+
+    The cases have equal shapes; their inputs and `cu_seqlens` are stacked along a new leading
+    axis, except the names in `shared`, which must be equal in every case and stay unmapped.
+    """
+    first = cases[0]
+    static = {n: x for n, x in first.options.items() if n != "cu_seqlens"}
+    references = [oracle(case) for case in cases]
+    cts = cotangents(first, {n: x.shape for n, x in references[0].outputs.items()}, seed=0)
+    cts = tuple(jnp.asarray(cts[n]) if n in cts else None for n in ("o", "final_state"))
+
+    def arrays(case):
+        cu = case.options["cu_seqlens"]
+        return {**case.inputs, **({} if cu is None else {"cu_seqlens": cu})}
+
+    def one(mapped, unmapped):
+        values = {**mapped, **unmapped}
+        cu_seqlens = values.pop("cu_seqlens", None)
+        outputs, vjp = jax.vjp(lambda values: fn(**values, cu_seqlens=cu_seqlens, **static), values)
+        return outputs, vjp(cts)[0]
+
+    mapped = {n: jnp.stack([arrays(case)[n] for case in cases]) for n in arrays(first) if n not in shared}
+    unmapped = {n: x for n, x in arrays(first).items() if n in shared}
+    outputs, grads = jax.jit(jax.vmap(one, in_axes=(0, None)))(mapped, unmapped)
+    tolerance = tolerance_for(first.dtype)
+    for i, (case, reference) in enumerate(zip(cases, references, strict=True)):
+        label = f"{case.label} (vmapped element {i})"
+        for name, value in zip(("o", "final_state"), outputs, strict=True):
+            if name in reference.outputs:
+                assert_close(name, value[i], reference.outputs[name], tolerance.output, label=label)
+        for name in case.differentiable:
+            assert_close("d" + name, grads[name][i], reference.grads["d" + name], tolerance.grad, label=label)

@@ -13,6 +13,7 @@ import jax
 
 import gla_core
 from gla_core.chunk import chunk_gated_attention
+from gla_core.chunk.pipeline import IMPLEMENTATION
 from gla_core.tpu import unsupported_dtype_reason
 
 PRIORITY = 100
@@ -62,7 +63,7 @@ def supports(call: gla_core.Call) -> str | None:
 
 def implementations() -> list[gla_core.Implementation]:
     common = dict(
-        name="chunk",
+        name=IMPLEMENTATION,
         priority=PRIORITY,
         backends=BACKENDS,
         package="gla-simple",

@@ -22,6 +22,7 @@ from jax.experimental.pallas import tpu as pltpu
 from gla_core.chunk.common import TN, compiler_params, cost_estimate, dot, mxu_dtype
 from gla_core.chunk.gates import intra_costs, make_gate
 from gla_core.chunk.specs import ChunkSpecs
+from gla_core.pallas_transforms import fold_vmap
 from gla_core.tpu import interpret_params
 
 
@@ -70,10 +71,18 @@ def chunk_bwd_dh(q, do, gate, dht, meta, *, specs: ChunkSpecs, scale: float, nee
       need_dh0: also return the initial-state gradients.
 
     Returns:
-      (dh [B, H, NT, V, K] float32, dh0 [N, H, V, K] float32 or None).
+      (dh [B, H, NT, V, K] float32, dh0 [N, H, V, K] float32 or None). Under `jax.vmap` the
+      mapped axis folds into B and N (`gla_core.pallas_transforms.fold_vmap`).
     """
     if not specs.reverse:
         raise ValueError("chunk_bwd_dh needs reverse-time specs")
+    launch = functools.partial(_launch, specs=specs, scale=scale, need_dh0=need_dh0, interpret=interpret)
+    args = (q, do, gate, dht, meta.first, meta.last, meta.sequence)
+    dh, dh0 = fold_vmap(launch, args, in_axes=(0, 0, 0, 0, None, None, None), out_axes=0)
+    return dh, dh0
+
+
+def _launch(q, do, gate, dht, first, last, sequence, *, specs: ChunkSpecs, scale: float, need_dh0: bool, interpret):
     b, h, tp, kdim = q.shape
     vdim = do.shape[-1]
     nt, nv = specs.num_chunks, specs.num_tiles
@@ -86,7 +95,7 @@ def chunk_bwd_dh(q, do, gate, dht, meta, *, specs: ChunkSpecs, scale: float, nee
     out_shape = [jax.ShapeDtypeStruct((b, h, nt, vdim, kdim), jnp.float32)]
     out_specs = [specs.chunk_state()]
     if need_dh0:
-        out_shape.append(jax.ShapeDtypeStruct((meta.num_states, h, vdim, kdim), jnp.float32))
+        out_shape.append(jax.ShapeDtypeStruct((b * specs.states_per_row, h, vdim, kdim), jnp.float32))
         out_specs.append(specs.state_of_sequence())
     kernel = functools.partial(
         _bwd_dh_kernel,
@@ -115,5 +124,5 @@ def chunk_bwd_dh(q, do, gate, dht, meta, *, specs: ChunkSpecs, scale: float, nee
             interpret=interpret_params(interpret),
             cost_estimate=cost,
             name="chunk_bwd_dh",
-        )(meta.first, meta.last, meta.sequence, *inputs)
+        )(first, last, sequence, *inputs)
     return outs[0], (outs[1] if need_dh0 else None)

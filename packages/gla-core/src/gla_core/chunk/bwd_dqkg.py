@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 from gla_core.chunk.common import NN, NT, chunk_iota, compiler_params, cost_estimate, dot, mxu_dtype
 from gla_core.chunk.gates import intra_costs, make_gate
 from gla_core.chunk.specs import ChunkSpecs
+from gla_core.pallas_transforms import fold_vmap
 from gla_core.tpu import interpret_params
 
 
@@ -69,10 +70,16 @@ def chunk_bwd_dqkg(q, k, v, do, gate, h, dh, *, specs: ChunkSpecs, scale: float,
     Returns:
       (dq [B, H, Tp, K], dk [B, H, Tp, K] in q's dtype, d/da float32): d/da is [B, H, Tp, K]
       for a per-key gate and [B, H, NK, NT, 1, C] for a scalar gate (one partial sum over
-      the keys of each of the NK key tiles; the caller sums them).
+      the keys of each of the NK key tiles; the caller sums them). Under `jax.vmap` the mapped
+      axis folds into B (`gla_core.pallas_transforms.fold_vmap`).
     """
     if specs.tiled != "k":
         raise ValueError("chunk_bwd_dqkg needs K-tiled specs with all of V in a block (ChunkSpecs.key_tiled)")
+    launch = functools.partial(_launch, specs=specs, scale=scale, interpret=interpret)
+    return fold_vmap(launch, (q, k, v, do, gate, h, dh), in_axes=(0,) * 7, out_axes=0)
+
+
+def _launch(q, k, v, do, gate, h, dh, *, specs: ChunkSpecs, scale: float, interpret: bool):
     b, hh, tp, kdim = q.shape
     vdim = v.shape[-1]
     nk, nt, c = specs.num_tiles, specs.num_chunks, specs.chunk

@@ -18,6 +18,7 @@ from jax.experimental import pallas as pl
 from gla_core.chunk.common import NT, TN, compiler_params, cost_estimate, dot, mxu_dtype
 from gla_core.chunk.gates import intra_costs, make_gate
 from gla_core.chunk.specs import ChunkSpecs
+from gla_core.pallas_transforms import fold_vmap
 from gla_core.tpu import interpret_params
 
 
@@ -40,8 +41,14 @@ def chunk_bwd_dv(q, k, do, gate, dh, *, specs: ChunkSpecs, scale: float, dtype, 
       dh: [B, H, NT, V, K] float32 from `chunk_bwd_dh`; dtype: dtype of dv.
 
     Returns:
-      dv [B, H, Tp, V].
+      dv [B, H, Tp, V]. Under `jax.vmap` the mapped axis folds into B
+      (`gla_core.pallas_transforms.fold_vmap`).
     """
+    launch = functools.partial(_launch, specs=specs, scale=scale, dtype=dtype, interpret=interpret)
+    return fold_vmap(launch, (q, k, do, gate, dh), in_axes=(0,) * 5, out_axes=0)
+
+
+def _launch(q, k, do, gate, dh, *, specs: ChunkSpecs, scale: float, dtype, interpret: bool):
     b, hh, tp, kdim = q.shape
     vdim = do.shape[-1]
     nv, nt, c = specs.num_tiles, specs.num_chunks, specs.chunk

@@ -122,3 +122,21 @@ def row_to_column(row: jax.Array, diagonal: jax.Array | None = None) -> jax.Arra
     """
     diagonal = _diagonal(row.shape[1]) if diagonal is None else diagonal
     return jnp.sum(jnp.where(diagonal, row, 0.0), axis=1, keepdims=True)
+
+
+def causal_dot(scores: jax.Array, x: jax.Array, dtype, causal: jax.Array | None = None) -> jax.Array:
+    """`scores @ x` for causal `scores` [C, C] (zero for s > t) and `x` [C, N], float32, where row t
+    sees `x_s` only for s <= t even when `x_s` is not finite.
+
+    A matmul multiplies the zeros above the diagonal with `x_s` too, and `0 * NaN = NaN` would carry
+    a NaN or Inf at step s into every earlier row. So the product takes `x` with its non-finite
+    entries zeroed, and every row at or after a step holding one is NaN (the recurrence's state is
+    not finite from that step on). `causal`: the `[C, C]` bool mask t >= s, when the caller has one.
+    """
+    finite = jnp.isfinite(x.astype(jnp.float32))  # Mosaic tests finiteness of float32 only
+    product = dot(scores, jnp.where(finite, x, jnp.zeros((), x.dtype)), NN, dtype)
+    rows, cols = chunk_iota(x.shape[0])
+    causal = rows >= cols if causal is None else causal
+    bad = column_to_row(jnp.max(jnp.where(finite, 0.0, 1.0), axis=1, keepdims=True), rows == cols)  # [1, C]
+    reached = jnp.max(jnp.where(causal, bad, 0.0), axis=1, keepdims=True)  # [C, 1]: a bad step s <= t
+    return jnp.where(reached > 0.0, jnp.nan, product)

@@ -21,6 +21,7 @@ from jax.experimental.pallas import tpu as pltpu
 from gla_core.chunk.common import TN, compiler_params, cost_estimate, dot, mxu_dtype
 from gla_core.chunk.gates import intra_costs, make_gate
 from gla_core.chunk.specs import ChunkSpecs
+from gla_core.pallas_transforms import fold_vmap
 from gla_core.tpu import interpret_params
 
 
@@ -65,18 +66,25 @@ def chunk_fwd_h(k, v, gate, h0, meta, *, specs: ChunkSpecs, output_final_state: 
       k: [B, H, Tp, K] (Tp = NT * C, K a multiple of 128).
       v: [B, H, Tp, V].
       gate: per-step log decays, float32: "scalar" mode [B, H, NT, 1, C] or "key" mode [B, H, Tp, K].
-      h0: [N, H, V, K] float32 or None.
+      h0: [N, H, V, K] float32 or None (N = B * specs.states_per_row).
       meta: `ChunkMeta` (first/last/sequence per chunk).
       specs: block shapes and index maps of this call.
       output_final_state: also return the final states.
 
     Returns:
-      (h [B, H, NT, V, K] float32, ht [N, H, V, K] float32 or None).
+      (h [B, H, NT, V, K] float32, ht [N, H, V, K] float32 or None). Under `jax.vmap` the
+      mapped axis folds into B and N (`gla_core.pallas_transforms.fold_vmap`).
     """
+    launch = functools.partial(_launch, specs=specs, output_final_state=output_final_state, interpret=interpret)
+    args = (k, v, gate, h0, meta.first, meta.last, meta.sequence)
+    h, ht = fold_vmap(launch, args, in_axes=(0, 0, 0, 0, None, None, None), out_axes=0)
+    return h, ht
+
+
+def _launch(k, v, gate, h0, first, last, sequence, *, specs: ChunkSpecs, output_final_state: bool, interpret: bool):
     b, h, tp, kdim = k.shape
     vdim = v.shape[-1]
     nt, nv = specs.num_chunks, specs.num_tiles
-    num_states = meta.num_states
     has_h0 = h0 is not None
     in_specs = [specs.key(), specs.value(), specs.gate()]
     inputs = [k, v, gate]
@@ -86,7 +94,7 @@ def chunk_fwd_h(k, v, gate, h0, meta, *, specs: ChunkSpecs, output_final_state: 
     out_shape = [jax.ShapeDtypeStruct((b, h, nt, vdim, kdim), jnp.float32)]
     out_specs = [specs.chunk_state()]
     if output_final_state:
-        out_shape.append(jax.ShapeDtypeStruct((num_states, h, vdim, kdim), jnp.float32))
+        out_shape.append(jax.ShapeDtypeStruct((b * specs.states_per_row, h, vdim, kdim), jnp.float32))
         out_specs.append(specs.state_of_sequence())
     kernel = functools.partial(
         _fwd_h_kernel,
@@ -113,5 +121,5 @@ def chunk_fwd_h(k, v, gate, h0, meta, *, specs: ChunkSpecs, output_final_state: 
             interpret=interpret_params(interpret),
             cost_estimate=cost,
             name="chunk_fwd_h",
-        )(meta.first, meta.last, meta.sequence, *inputs)
+        )(first, last, sequence, *inputs)
     return outs[0], (outs[1] if output_final_state else None)

@@ -14,9 +14,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from gla_core.chunk.common import NN, NT, compiler_params, cost_estimate, dot, mxu_dtype
+from gla_core.chunk.common import NT, causal_dot, compiler_params, cost_estimate, dot, mxu_dtype
 from gla_core.chunk.gates import intra_costs, make_gate
 from gla_core.chunk.specs import ChunkSpecs
+from gla_core.pallas_transforms import fold_vmap
 from gla_core.tpu import interpret_params
 
 
@@ -27,7 +28,7 @@ def _fwd_o_kernel(q_ref, k_ref, v_ref, gate_ref, h_ref, o_ref, *, gate_mode, sca
     q_decayed = q.astype(jnp.float32) * gate.from_start()
     inter = dot(q_decayed, h_ref[...], NT, dtype)  # [C, Vt]
     scores = gate.scores(q, k_ref[...])  # [C, C]
-    intra = dot(scores, v_ref[...], NN, dtype)
+    intra = causal_dot(scores, v_ref[...], dtype)  # a non-finite v_s reaches rows t >= s only
     o_ref[...] = (scale * (inter + intra)).astype(o_ref.dtype)
 
 
@@ -39,8 +40,14 @@ def chunk_fwd_o(q, k, v, gate, h, *, specs: ChunkSpecs, scale: float, interpret:
       h: [B, H, NT, V, K] float32 states before every chunk.
 
     Returns:
-      o [B, H, Tp, V] in v's dtype.
+      o [B, H, Tp, V] in v's dtype. Under `jax.vmap` the mapped axis folds into B
+      (`gla_core.pallas_transforms.fold_vmap`).
     """
+    launch = functools.partial(_launch, specs=specs, scale=scale, interpret=interpret)
+    return fold_vmap(launch, (q, k, v, gate, h), in_axes=(0,) * 5, out_axes=0)
+
+
+def _launch(q, k, v, gate, h, *, specs: ChunkSpecs, scale: float, interpret: bool):
     b, hh, tp, kdim = q.shape
     vdim = v.shape[-1]
     nv, nt, c = specs.num_tiles, specs.num_chunks, specs.chunk

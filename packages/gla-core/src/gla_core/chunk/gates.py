@@ -26,6 +26,10 @@ the pairs t > s by the highest bit where t and s differ: at level l both lie in 
 of 2^(l+1) steps, t in its upper half and s in its lower half, and with r the last step of
 the lower half `e^{b_t - b_s} = e^{b_t - b_r} e^{b_r - b_s}`, both factors <= 0 and both
 exponents segment sums. Each level is one masked MXU matmul per product.
+
+Hard resets (a log decay of -inf, decay exactly 0) reach the kernels floored at `GATE_FLOOR`
+(`floor_gates`), see there. Products whose factors are masked to zero use `jnp.where`, never a
+multiplication by a 0/1 mask, so a non-finite q, k or v stays in the rows it belongs to.
 """
 
 from __future__ import annotations
@@ -38,6 +42,21 @@ import jax.numpy as jnp
 from gla_core.chunk.common import NN, NT, TN, chunk_iota, column_to_row, dot, row_to_column
 
 F32 = jnp.float32
+
+# The smallest log decay the kernels see; -inf (a hard reset) and anything below are floored to it.
+# Segment sums are masked matmuls, which multiply every gate of the chunk by a 0/1 mask entry:
+# 0 * -inf = NaN would reach every segment sum of the chunk. Flooring keeps the semantics exact:
+# e^{-1e30} is exactly 0 in float32 (everything below -104 underflows), a segment sum of up to
+# 128 floored steps (-1.3e32) is far from the float32 limit (-3.4e38) and, plus any finite gates
+# of size < 1e29, still underflows to exactly 0, so every decay through a floored step is exactly
+# 0 as with -inf. The gradient with respect to a floored gate is set to exactly 0 (`gate_grad`),
+# the derivative of e^{a} at a = -inf (and of the floor itself).
+GATE_FLOOR = -1e30
+
+
+def floor_gates(a: jax.Array) -> jax.Array:
+    """Log decays with -inf (and anything below `GATE_FLOOR`) raised to `GATE_FLOOR`; NaN stays NaN."""
+    return jnp.maximum(a, GATE_FLOOR)
 
 
 def _mask(condition: jax.Array) -> jax.Array:
@@ -137,7 +156,7 @@ class ScalarGate:
         return jnp.exp(jnp.sum(self.a_row, axis=1, keepdims=True))  # [1, 1]
 
     def scores(self, x: jax.Array, y: jax.Array) -> jax.Array:
-        return dot(x, y, NT, self.dtype) * self.decay
+        return jnp.where(self.masks.causal, dot(x, y, NT, self.dtype), 0.0) * self.decay
 
     def left_right_strict(self, w: jax.Array, y: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         wd = w * self.decay
@@ -150,7 +169,7 @@ class ScalarGate:
         after_row = m.column_to_row(jnp.sum(after, axis=1, keepdims=True))
         before_row = m.column_to_row(jnp.sum(before, axis=1, keepdims=True))
         da = dot(after_row, m.lower, NN, F32) + dot(before_row, m.strict_upper, NN, F32)
-        return da + jnp.sum(total)
+        return jnp.where(self.a_row <= GATE_FLOOR, 0.0, da + jnp.sum(total))
 
 
 class KeyGate:
@@ -227,7 +246,8 @@ class KeyGate:
     def gate_grad(self, after: jax.Array, before: jax.Array, total: jax.Array) -> jax.Array:
         """d loss / d a `[C, K]`: `sum_{t>=u} after_t + sum_{s<u} before_s + total` (triangular matmuls)."""
         rows, cols = chunk_iota(self.chunk)
-        return dot(_mask(cols >= rows), after, NN, F32) + dot(_mask(cols < rows), before, NN, F32) + total
+        da = dot(_mask(cols >= rows), after, NN, F32) + dot(_mask(cols < rows), before, NN, F32) + total
+        return jnp.where(self.a <= GATE_FLOOR, 0.0, da)
 
 
 def intra_costs(mode: str, chunk: int, keys: int, products: int) -> tuple[int, int]:

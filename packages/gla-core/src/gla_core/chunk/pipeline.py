@@ -7,6 +7,11 @@ Backward: prepare do -> chunk_fwd_h (recomputed, states are not kept) -> chunk_b
 One `jax.custom_vjp` covers the whole op, so the re-layouts (padding, varlen gathers,
 transposes) are differentiated by hand: every token has exactly one slot in the kernel
 layout, so the gradient of a gather is the inverse gather.
+
+Transformations: the forward and backward refuse to be differentiated again
+(`pallas_transforms.first_order_only`: higher-order derivatives raise a clear error), every
+kernel folds a `jax.vmap` axis into its batch axis (`pallas_transforms.fold_vmap`), and calls
+without tokens (B = 0 or T = 0) are answered by `empty` without a kernel.
 """
 
 from __future__ import annotations
@@ -23,10 +28,15 @@ from gla_core.chunk.bwd_dh import chunk_bwd_dh
 from gla_core.chunk.bwd_dqkg import chunk_bwd_dqkg
 from gla_core.chunk.bwd_dv import chunk_bwd_dv
 from gla_core.chunk.common import DEFAULT_BLOCK_SIZES, BlockSizes
+from gla_core.chunk.empty import empty_attention, has_no_tokens
 from gla_core.chunk.fwd_h import chunk_fwd_h
 from gla_core.chunk.fwd_o import chunk_fwd_o
 from gla_core.chunk.specs import ChunkSpecs
 from gla_core.ops import CHUNK_SIZES
+from gla_core.pallas_transforms import first_order_only
+
+IMPLEMENTATION = "chunk"
+OPS = "simple_gla/gla"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +114,7 @@ class ChunkConfig:
             geo.padded_key_dim,
             geo.padded_value_dim,
             self.block_sizes.value_tile(geo.padded_value_dim),
+            states_per_row=geo.states_per_row,
         )
 
     def dqkg_specs(self) -> ChunkSpecs:
@@ -241,7 +252,10 @@ def _chunk_attention(config, q, k, v, g, g_gamma, gk, initial_state, cu_seqlens)
     return _forward(config, q, k, v, g, g_gamma, gk, initial_state, cu_seqlens)[0]
 
 
-_chunk_attention.defvjp(_forward, _backward)
+_chunk_attention.defvjp(
+    first_order_only(_forward, implementation=IMPLEMENTATION, op=OPS, nondiff_argnums=(0,)),
+    first_order_only(_backward, implementation=IMPLEMENTATION, op=OPS, nondiff_argnums=(0,)),
+)
 
 
 def chunk_gated_attention(
@@ -284,6 +298,11 @@ def chunk_gated_attention(
     """
     if gk is not None and (g is not None or g_gamma is not None):
         raise ValueError("gk (per-key decay) cannot be combined with g or g_gamma")
+    if has_no_tokens(q):
+        num_states = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        return empty_attention(
+            q, v, initial_state=initial_state, num_states=num_states, output_final_state=output_final_state
+        )
     config = ChunkConfig.create(
         q,
         v,

@@ -7,8 +7,9 @@ inputs (`B == 1`, `cu_seqlens`) are gathered into the padded per-sequence chunk 
 `gla_core.varlen`, so every chunk belongs to one sequence. Padding steps carry zero q/k/v
 and a zero log decay, so they change no state.
 
-Gates stay per-step log decays `a_t` (float32) in the chunk layout: the kernels form every
-segment sum they exponentiate themselves (see `gates`), and return d/da.
+Gates stay per-step log decays `a_t` (float32, floored at `gates.GATE_FLOOR` so a hard reset
+of -inf stays exact) in the chunk layout: the kernels form every segment sum they exponentiate
+themselves (see `gates`), and return d/da.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from gla_core import varlen
+from gla_core.chunk.gates import floor_gates
 from gla_core.tpu import NUM_LANES, pad_axis, round_up
 
 
@@ -29,15 +31,15 @@ class ChunkMeta:
 
     first: the chunk starts a sequence (reset the state to its initial state).
     last: the chunk ends a sequence (emit its final state).
-    sequence: added to the batch index to address per-sequence states (0 for fixed length,
-      the owning sequence for varlen, where B == 1).
-    num_states: N, the number of per-sequence states (B for fixed length).
+    sequence: the owning sequence within its batch row (0 for fixed length; for varlen, where
+      B == 1, the packed sequence). The chunk's per-sequence state is row
+      `b * states_per_row + sequence` of the `[N, ...]` states (`ChunkSpecs.states_per_row`),
+      so batch rows stay independent and a vmapped call can fold its mapped axis into B.
     """
 
     first: jax.Array
     last: jax.Array
     sequence: jax.Array
-    num_states: int = dataclasses.field(metadata=dict(static=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,8 +72,9 @@ class Geometry:
         return round_up(self.value_dim, NUM_LANES)
 
     @property
-    def num_states(self) -> int:
-        return self.num_sequences if self.varlen else self.batch
+    def states_per_row(self) -> int:
+        """Per-sequence states of one batch row: N for varlen (B == 1), else 1."""
+        return self.num_sequences if self.varlen else 1
 
 
 def geometry(q, v, chunk: int, num_sequences: int | None) -> Geometry:
@@ -89,8 +92,8 @@ def chunk_meta(geo: Geometry, layout: varlen.ChunkLayout | None) -> ChunkMeta:
         chunks = jnp.arange(geo.num_chunks, dtype=jnp.int32)
         first = (chunks == 0).astype(jnp.int32)
         last = (chunks == geo.num_chunks - 1).astype(jnp.int32)
-        return ChunkMeta(first, last, jnp.zeros_like(chunks), geo.num_states)
-    return ChunkMeta(layout.chunk_first, layout.chunk_last, layout.chunk_sequence, geo.num_states)
+        return ChunkMeta(first, last, jnp.zeros_like(chunks))
+    return ChunkMeta(layout.chunk_first, layout.chunk_last, layout.chunk_sequence)
 
 
 def _time_to_chunks(x, geo: Geometry, layout):
@@ -122,8 +125,8 @@ def from_kernel(y, geo: Geometry, layout, width: int, dtype=None):
 
 
 def scalar_gate(a, geo: Geometry, layout):
-    """Per-step log decay [B, T, H] to the kernels' [B, H, NT, 1, C] (float32)."""
-    a = _time_to_chunks(a.astype(jnp.float32), geo, layout)
+    """Per-step log decay [B, T, H] to the kernels' [B, H, NT, 1, C] (float32, floored)."""
+    a = _time_to_chunks(floor_gates(a.astype(jnp.float32)), geo, layout)
     return jnp.swapaxes(a, 1, 2).reshape(geo.batch, geo.num_heads, geo.num_chunks, 1, geo.chunk)
 
 
@@ -135,8 +138,8 @@ def scalar_gate_grad(da, geo: Geometry, layout):
 
 
 def key_gate(gk, geo: Geometry, layout):
-    """Per-key log decay [B, T, H, K] to the kernels' [B, H, Tp, Kp] (float32)."""
-    return to_kernel(gk, geo, layout, jnp.float32)
+    """Per-key log decay [B, T, H, K] to the kernels' [B, H, Tp, Kp] (float32, floored)."""
+    return to_kernel(floor_gates(gk.astype(jnp.float32)), geo, layout)
 
 
 def key_gate_grad(da, geo: Geometry, layout):

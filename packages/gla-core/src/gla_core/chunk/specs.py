@@ -27,6 +27,8 @@ class ChunkSpecs:
       block_k, block_v: K and V tiles; the one of the untiled dimension is the whole dimension.
       tiled: which feature dimension the third grid axis tiles, "v" or "k".
       reverse: the time grid axis runs from the last chunk to the first.
+      states_per_row: per-sequence states of one batch row (1 for fixed length, N for varlen):
+        a chunk's state is row `b * states_per_row + sequence` of the `[N, ...]` states.
     """
 
     gate_mode: str
@@ -38,6 +40,7 @@ class ChunkSpecs:
     block_v: int
     tiled: str = "v"
     reverse: bool = False
+    states_per_row: int = 1
 
     def __post_init__(self):
         untiled_block = self.block_k if self.tiled == "v" else self.block_v
@@ -46,9 +49,20 @@ class ChunkSpecs:
             raise ValueError(f"tiled={self.tiled!r}: the other feature dimension must be one block")
 
     @classmethod
-    def value_tiled(cls, gate_mode, chunk, num_chunks, key_dim, value_dim, block_v) -> ChunkSpecs:
+    def value_tiled(
+        cls, gate_mode, chunk, num_chunks, key_dim, value_dim, block_v, states_per_row: int = 1
+    ) -> ChunkSpecs:
         """Specs of the kernels that tile V and see all of K."""
-        return cls(gate_mode, chunk, num_chunks, key_dim, value_dim, block_k=key_dim, block_v=block_v)
+        return cls(
+            gate_mode,
+            chunk,
+            num_chunks,
+            key_dim,
+            value_dim,
+            block_k=key_dim,
+            block_v=block_v,
+            states_per_row=states_per_row,
+        )
 
     def key_tiled(self, block_k: int) -> ChunkSpecs:
         """The same call, tiling K (all of V in every block)."""
@@ -128,6 +142,6 @@ class ChunkSpecs:
         def sequence_state_index(*indices):
             b, h, vt, kt, c = self._position(indices)
             sequence_ref = indices[4:][2]
-            return b + sequence_ref[c], h, vt, kt
+            return b * self.states_per_row + sequence_ref[c], h, vt, kt
 
         return pl.BlockSpec((None, None, self.block_v, self.block_k), sequence_state_index)

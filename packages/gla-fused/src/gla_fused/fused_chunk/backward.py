@@ -31,6 +31,7 @@ from jax.experimental import pallas as pl
 
 from gla_core.chunk.common import NT, TN, dot, mxu_dtype
 from gla_core.chunk.gates import ChunkMasks, ScalarGate
+from gla_core.pallas_transforms import fold_vmap
 from gla_fused.fused_chunk.launch import sequential_call
 from gla_fused.fused_chunk.specs import FusedSpecs
 
@@ -82,10 +83,17 @@ def fused_chunk_bwd_dhdv(q, k, do, gate, dht, *, specs: FusedSpecs, scale: float
 
     Returns:
       (dv [B, H, Tp, V] in q's dtype, dh [B, H, NT, V, K] float32 gradients of the state
-      after every chunk, dh0 [B, H, V, K] float32 or None).
+      after every chunk, dh0 [B, H, V, K] float32 or None). Under `jax.vmap` the mapped axis
+      folds into B (`gla_core.pallas_transforms.fold_vmap`).
     """
     if not specs.reverse:
         raise ValueError("fused_chunk_bwd_dhdv needs reverse-time specs")
+    launch = functools.partial(_launch, specs=specs, scale=scale, need_dh0=need_dh0, interpret=interpret)
+    dv, dh, dh0 = fold_vmap(launch, (q, k, do, gate, dht), in_axes=(0,) * 5, out_axes=0)
+    return dv, dh, dh0
+
+
+def _launch(q, k, do, gate, dht, *, specs: FusedSpecs, scale: float, need_dh0: bool, interpret: bool):
     b, hh, tp, kdim = q.shape
     vdim = do.shape[-1]
     c, nt = specs.chunk, specs.num_chunks

@@ -22,8 +22,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from gla_core.chunk.common import NN, NT, TN, dot, mxu_dtype
+from gla_core.chunk.common import NT, TN, causal_dot, dot, mxu_dtype
 from gla_core.chunk.gates import ChunkMasks, ScalarGate
+from gla_core.pallas_transforms import fold_vmap
 from gla_fused.fused_chunk.launch import sequential_call
 from gla_fused.fused_chunk.specs import FusedSpecs
 
@@ -49,7 +50,7 @@ def _fwd_kernel(*refs, num_steps, chunk, has_h0, has_ht, scale, dtype):
         q, k, v = q_ref[rows, :], k_ref[rows, :], v_ref[rows, :]
         gate = ScalarGate(gate_ref[s], dtype, masks)
         inter = dot(q.astype(F32) * gate.from_start(), state, NT, dtype)  # [C, Vt]
-        intra = dot(gate.scores(q, k), v, NN, dtype)  # [C, Vt]
+        intra = causal_dot(gate.scores(q, k), v, dtype, masks.causal)  # [C, Vt]; a NaN v_s reaches t >= s only
         o_ref[rows, :] = (scale * (inter + intra)).astype(o_ref.dtype)
         state = state * gate.last_decay() + dot(v, k.astype(F32) * gate.to_end(), TN, dtype)
     state_ref[...] = state
@@ -73,10 +74,19 @@ def fused_chunk_fwd(q, k, v, gate, h0, *, specs: FusedSpecs, scale: float, outpu
       output_final_state: also return the final states.
 
     Returns:
-      (o [B, H, Tp, V] in v's dtype, ht [B, H, V, K] float32 or None).
+      (o [B, H, Tp, V] in v's dtype, ht [B, H, V, K] float32 or None). Under `jax.vmap` the
+      mapped axis folds into B (`gla_core.pallas_transforms.fold_vmap`).
     """
     if specs.reverse:
         raise ValueError("fused_chunk_fwd needs forward-time specs")
+    launch = functools.partial(
+        _launch, specs=specs, scale=scale, output_final_state=output_final_state, interpret=interpret
+    )
+    o, ht = fold_vmap(launch, (q, k, v, gate, h0), in_axes=(0,) * 5, out_axes=0)
+    return o, ht
+
+
+def _launch(q, k, v, gate, h0, *, specs: FusedSpecs, scale: float, output_final_state: bool, interpret: bool):
     b, hh, tp, kdim = q.shape
     vdim = v.shape[-1]
     c = specs.chunk

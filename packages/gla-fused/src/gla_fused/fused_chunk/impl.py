@@ -9,10 +9,10 @@ import jax
 import gla_core
 from gla_core.errors import InvalidArgumentError
 from gla_core.tpu import unsupported_dtype_reason
-from gla_fused.fused_chunk.pipeline import fused_chunk_attention
+from gla_fused.fused_chunk.pipeline import IMPLEMENTATION, fused_chunk_attention
 from gla_fused.fused_chunk.steps import DEFAULT_NUM_STEPS
 
-NAME = "fused_chunk"
+NAME = IMPLEMENTATION
 PRIORITY = 110
 BACKENDS = frozenset({"tpu"})
 STATIC_ARGUMENTS = ("scale", "output_final_state", "chunk_size", "interpret", "num_steps")

@@ -9,7 +9,9 @@ Pass 2 is parallel over time, so every chunk needs the state before it as a tens
 fused forward keeps the states in VMEM only (not writing them to HBM is its point), so the
 backward recomputes them with `chunk_fwd_h`: that is the only way to have them in a pass
 that is parallel over time. Fixed-length inputs only (see `impl.supports`); re-layouts come from
-`gla_core.chunk.prepare` and are differentiated by hand, as in `gla_core.chunk.pipeline`.
+`gla_core.chunk.prepare` and are differentiated by hand, as in `gla_core.chunk.pipeline`, with
+the same transformation guards (first-order autodiff only, vmap folded into B, no kernel for
+calls without tokens).
 """
 
 from __future__ import annotations
@@ -22,12 +24,17 @@ import jax
 from gla_core.chunk import prepare
 from gla_core.chunk.bwd_dqkg import chunk_bwd_dqkg
 from gla_core.chunk.common import DEFAULT_BLOCK_SIZES, BlockSizes
+from gla_core.chunk.empty import empty_attention, has_no_tokens
 from gla_core.chunk.fwd_h import chunk_fwd_h
 from gla_core.chunk.pipeline import ChunkConfig, KernelInputs, kernel_inputs, op_gradients
+from gla_core.pallas_transforms import first_order_only
 from gla_fused.fused_chunk.backward import fused_chunk_bwd_dhdv
 from gla_fused.fused_chunk.forward import fused_chunk_fwd
 from gla_fused.fused_chunk.specs import FusedSpecs
 from gla_fused.fused_chunk.steps import DEFAULT_NUM_STEPS, effective_num_steps
+
+IMPLEMENTATION = "fused_chunk"
+OP = "simple_gla"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +119,10 @@ def _fused_attention(config, q, k, v, g, g_gamma, initial_state):
     return _forward(config, q, k, v, g, g_gamma, initial_state)[0]
 
 
-_fused_attention.defvjp(_forward, _backward)
+_fused_attention.defvjp(
+    first_order_only(_forward, implementation=IMPLEMENTATION, op=OP, nondiff_argnums=(0,)),
+    first_order_only(_backward, implementation=IMPLEMENTATION, op=OP, nondiff_argnums=(0,)),
+)
 
 
 def fused_chunk_attention(
@@ -156,6 +166,10 @@ def fused_chunk_attention(
     Example:
       >>> o, ht = fused_chunk_attention(q, k, v, g=g, output_final_state=True, interpret=True)
     """
+    if has_no_tokens(q):
+        return empty_attention(
+            q, v, initial_state=initial_state, num_states=q.shape[0], output_final_state=output_final_state
+        )
     config = FusedConfig.create(
         q,
         v,

@@ -41,6 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from gla_core.chunk.common import NN, NT, TN, compiler_params, cost_estimate, dot, mxu_dtype
+from gla_core.pallas_transforms import fold_vmap
 from gla_core.tpu import interpret_params
 from gla_fused.g_gamma.decay import ChunkDecay, valid_steps
 from gla_fused.g_gamma.specs import PARTIAL_BLOCK, GammaSpecs
@@ -87,7 +88,7 @@ def _backward_kernel(gamma_ref, q_ref, k_ref, v_ref, do_ref, *refs, has_h0, has_
         decay = chunk_decay()
         state, tangent = state_ref[...], tangent_ref[...]
         dq_state = dot(do, state, NN, dtype) * decay.from_start  # e^{b_t} do_t S_c^T, [C, Kp]
-        dq = scale * (dq_state + dot(d_scores * decay.pairs, k, NN, dtype))
+        dq = scale * (dq_state + dot(decay.decayed(d_scores), k, NN, dtype))
         dq_ref[...] = dq.astype(dq_ref.dtype)
         # do_t . do_t/dgamma: through S_c, through S'_c, within the chunk
         tangent_out = dot(do, tangent, NN, dtype) * decay.from_start  # [C, Kp]
@@ -113,9 +114,9 @@ def _backward_kernel(gamma_ref, q_ref, k_ref, v_ref, do_ref, *refs, has_h0, has_
         decay = chunk_decay()
         grad = grad_ref[...]
         k_decayed = k32 * decay.to_end
-        dv = dot(k_decayed, grad, NT, dtype) + scale * dot(scores * decay.pairs, do, TN, dtype)
+        dv = dot(k_decayed, grad, NT, dtype) + scale * dot(decay.decayed(scores), do, TN, dtype)
         dv_ref[...] = dv.astype(dv_ref.dtype)
-        dk = dot(v, grad, NN, dtype) * decay.to_end + scale * dot(d_scores * decay.pairs, q, TN, dtype)
+        dk = dot(v, grad, NN, dtype) * decay.to_end + scale * dot(decay.decayed(d_scores), q, TN, dtype)
         dk_ref[...] = dk.astype(dk_ref.dtype)
         grad = decay.last * grad + scale * dot(do, q32 * decay.from_start, TN, dtype)
         grad_ref[...] = grad
@@ -143,9 +144,18 @@ def fused_g_gamma_backward(
       dq, dk: [B, H, NV, Tp, Kp] partial sums per V tile (float32 when NV > 1, else q's dtype);
       dv: [B, H, Tp, Vp] in v's dtype; dgamma: [B, H, NV, 8, 128] float32 partial sums per
       V tile (every element of a tile holds its sum); dh0: [B, H, Vp, Kp] float32 or None.
+      Under `jax.vmap` the mapped axis folds into B (`gla_core.pallas_transforms.fold_vmap`;
+      a mapped gamma runs the kernel once per mapped element).
     """
     if not specs.backward:
         raise ValueError("fused_g_gamma_backward needs backward GammaSpecs (2 NT time steps)")
+    launch = functools.partial(_launch, specs=specs, seq_len=seq_len, scale=scale, interpret=interpret)
+    args = (q, k, v, do, gamma, h0, dht)
+    dq, dk, dv, dgamma, dh0 = fold_vmap(launch, args, in_axes=(0, 0, 0, 0, None, 0, 0), out_axes=0)
+    return dq, dk, dv, dgamma, dh0
+
+
+def _launch(q, k, v, do, gamma, h0, dht, *, specs: GammaSpecs, seq_len: int, scale: float, interpret: bool):
     b, h, tp, kdim = q.shape
     vdim = v.shape[-1]
     grid = specs.grid(b, h, vdim)

@@ -12,7 +12,10 @@ the state after the chunk is decayed by exactly `e^{gamma n}`. With `b_t = gamma
 
 Exponents are `gamma` times a non-negative integer (the lag is masked to 0 above the
 diagonal before `exp`), so for `gamma <= 0` no argument is positive: with `gamma = -10`
-and C = 128 nothing overflows, where `e^{b_t} e^{-b_s}` would. The derivatives in `gamma`
+and C = 128 nothing overflows, where `e^{b_t} e^{-b_s}` would. A hard reset (`gamma = -inf`)
+arrives floored at `gla_core.chunk.gates.GATE_FLOOR` (the pipeline does it): `-inf * 0` would
+be NaN for the lag-0 and position-0 factors, `GATE_FLOOR * 0 = 0` gives their exact `e^0 = 1`,
+and every other factor underflows to exactly 0. The derivatives in `gamma`
 (used by the backward) multiply each factor by its exponent over gamma: `p_t`, `n - p_t`,
 `n` and the lag `p_t - p_s`.
 
@@ -91,11 +94,21 @@ class ChunkDecay:
         return jnp.exp(self.gamma * self.length)
 
     @functools.cached_property
-    def pairs(self) -> jax.Array:
-        """e^{gamma (p_t - p_s)} for t >= s, else 0: [C, C]."""
+    def causal(self) -> jax.Array:
+        """t >= s: [C, C] bool."""
         rows = jax.lax.broadcasted_iota(jnp.int32, (self.chunk, self.chunk), 0)
         cols = jax.lax.broadcasted_iota(jnp.int32, (self.chunk, self.chunk), 1)
-        return jnp.where(rows >= cols, jnp.exp(self.gamma * self.lags), 0.0)
+        return rows >= cols
+
+    def decayed(self, x: jax.Array) -> jax.Array:
+        """`x_ts e^{gamma (p_t - p_s)}` for t >= s, else 0, for x [C, C]: selected with `jnp.where`,
+        so a non-finite x_ts above the diagonal (a NaN at a later step) stays out."""
+        return jnp.where(self.causal, x, 0.0) * self.pairs
+
+    @functools.cached_property
+    def pairs(self) -> jax.Array:
+        """e^{gamma (p_t - p_s)} for t >= s, else 0: [C, C]."""
+        return jnp.where(self.causal, jnp.exp(self.gamma * self.lags), 0.0)
 
     @functools.cached_property
     def pairs_tangent(self) -> jax.Array:

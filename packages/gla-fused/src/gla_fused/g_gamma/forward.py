@@ -19,7 +19,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from gla_core.chunk.common import NN, NT, TN, compiler_params, cost_estimate, dot, mxu_dtype
+from gla_core.chunk.common import NT, TN, causal_dot, compiler_params, cost_estimate, dot, mxu_dtype
+from gla_core.pallas_transforms import fold_vmap
 from gla_core.tpu import interpret_params
 from gla_fused.g_gamma.decay import ChunkDecay, valid_steps
 from gla_fused.g_gamma.specs import GammaSpecs
@@ -48,8 +49,9 @@ def _forward_kernel(gamma_ref, q_ref, k_ref, v_ref, *refs, has_h0, has_ht, scale
     q, k, v = q_ref[...], k_ref[...], v_ref[...]
     state = state_ref[...]
     inter = dot(q.astype(jnp.float32) * decay.from_start, state, NT, dtype)  # [C, Vt]
-    scores = dot(q, k, NT, dtype) * decay.pairs  # [C, C]
-    o_ref[...] = (scale * (inter + dot(scores, v, NN, dtype))).astype(o_ref.dtype)
+    scores = decay.decayed(dot(q, k, NT, dtype))  # [C, C]
+    intra = causal_dot(scores, v, dtype, decay.causal)  # a non-finite v_s reaches rows t >= s only
+    o_ref[...] = (scale * (inter + intra)).astype(o_ref.dtype)
     state = state * decay.last + dot(v, k.astype(jnp.float32) * decay.to_end, TN, dtype)
     state_ref[...] = state
 
@@ -74,8 +76,23 @@ def fused_g_gamma_forward(
       output_final_state: also return the final states.
 
     Returns:
-      (o [B, H, Tp, Vp] in v's dtype, ht [B, H, Vp, Kp] float32 or None).
+      (o [B, H, Tp, Vp] in v's dtype, ht [B, H, Vp, Kp] float32 or None). Under `jax.vmap` the
+      mapped axis folds into B (`gla_core.pallas_transforms.fold_vmap`; a mapped gamma runs
+      the kernel once per mapped element).
     """
+    launch = functools.partial(
+        _launch,
+        specs=specs,
+        seq_len=seq_len,
+        scale=scale,
+        output_final_state=output_final_state,
+        interpret=interpret,
+    )
+    o, ht = fold_vmap(launch, (q, k, v, gamma, h0), in_axes=(0, 0, 0, None, 0), out_axes=0)
+    return o, ht
+
+
+def _launch(q, k, v, gamma, h0, *, specs: GammaSpecs, seq_len: int, scale: float, output_final_state: bool, interpret):
     b, h, tp, kdim = q.shape
     vdim = v.shape[-1]
     grid = specs.grid(b, h, vdim)

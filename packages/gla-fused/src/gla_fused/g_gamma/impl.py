@@ -14,9 +14,9 @@ import jax
 import gla_core
 from gla_core import errors
 from gla_core.tpu import unsupported_dtype_reason
-from gla_fused.g_gamma.pipeline import fused_g_gamma_attention
+from gla_fused.g_gamma.pipeline import IMPLEMENTATION, fused_g_gamma_attention
 
-NAME = "fused_g_gamma"
+NAME = IMPLEMENTATION
 PRIORITY = 120
 BACKENDS = frozenset({"tpu"})
 STATIC_ARGUMENTS = ("scale", "output_final_state", "chunk_size", "interpret")

@@ -6,7 +6,9 @@ Backward: re-layout do, dht -> `fused_g_gamma_backward` -> sum the per-V-tile pa
 
 One `jax.custom_vjp` covers the whole op (re-layouts are padding and transposes, whose
 gradients are slicing and the inverse transposes); its residuals are the kernel-layout
-inputs, nothing per chunk.
+inputs, nothing per chunk. g_gamma is floored at `gla_core.chunk.gates.GATE_FLOOR` (a hard
+reset of -inf stays exact; its gradient is 0). Transformations as in `gla_core.chunk.pipeline`:
+first-order autodiff only, vmap folded into B, no kernel for calls without tokens.
 """
 
 from __future__ import annotations
@@ -19,10 +21,16 @@ import jax.numpy as jnp
 
 from gla_core.chunk import prepare
 from gla_core.chunk.common import DEFAULT_BLOCK_SIZES, BlockSizes
+from gla_core.chunk.empty import empty_attention, has_no_tokens
+from gla_core.chunk.gates import GATE_FLOOR, floor_gates
 from gla_core.chunk.pipeline import ChunkConfig
+from gla_core.pallas_transforms import first_order_only
 from gla_fused.g_gamma.backward import fused_g_gamma_backward
 from gla_fused.g_gamma.forward import fused_g_gamma_forward
 from gla_fused.g_gamma.specs import GammaSpecs
+
+IMPLEMENTATION = "fused_g_gamma"
+OP = "simple_gla"
 
 
 @jax.tree_util.register_dataclass
@@ -48,7 +56,7 @@ def _forward(config: ChunkConfig, q, k, v, g_gamma, initial_state):
     geo = config.geometry
     x = Residuals(
         *(prepare.to_kernel(a, geo, None, config.compute_dtype) for a in (q, k, v)),
-        gamma=g_gamma.astype(jnp.float32),
+        gamma=floor_gates(g_gamma.astype(jnp.float32)),
         h0=prepare.state_in(initial_state, geo) if initial_state is not None else None,
     )
     o, ht = fused_g_gamma_forward(
@@ -95,7 +103,8 @@ def _backward(config: ChunkConfig, x: Residuals, cotangents):
     dq = _sum_tiles(dq, geo, geo.key_dim, config.dtype_of("q"))
     dk = _sum_tiles(dk, geo, geo.key_dim, config.dtype_of("k"))
     dv = prepare.from_kernel(dv, geo, None, geo.value_dim, config.dtype_of("v"))
-    dg_gamma = jnp.sum(dgamma[..., 0, 0], axis=(0, 2)).astype(config.dtype_of("g_gamma"))  # [H]
+    dg_gamma = jnp.sum(dgamma[..., 0, 0], axis=(0, 2))  # [H]
+    dg_gamma = jnp.where(x.gamma <= GATE_FLOOR, 0.0, dg_gamma).astype(config.dtype_of("g_gamma"))
     d_initial = None
     if dh0 is not None:
         d_initial = prepare.state_out(dh0, geo, config.dtype_of("initial_state"))
@@ -107,7 +116,10 @@ def _fused_g_gamma(config, q, k, v, g_gamma, initial_state):
     return _forward(config, q, k, v, g_gamma, initial_state)[0]
 
 
-_fused_g_gamma.defvjp(_forward, _backward)
+_fused_g_gamma.defvjp(
+    first_order_only(_forward, implementation=IMPLEMENTATION, op=OP, nondiff_argnums=(0,)),
+    first_order_only(_backward, implementation=IMPLEMENTATION, op=OP, nondiff_argnums=(0,)),
+)
 
 
 def fused_g_gamma_attention(
@@ -143,6 +155,10 @@ def fused_g_gamma_attention(
       (o [B, T, H, V] in v's dtype, final_state or None); differentiable in q, k, v,
       g_gamma and initial_state.
     """
+    if has_no_tokens(q):
+        return empty_attention(
+            q, v, initial_state=initial_state, num_states=q.shape[0], output_final_state=output_final_state
+        )
     config = ChunkConfig.create(
         q,
         v,
