@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -26,6 +27,50 @@ def test_gate_matches_oracle(jitted, dt_bias, lower_bound):
 
 def test_gate_bfloat16_input(jitted):
     case = make_case("kda_gate", seq_len=64, num_heads=2, key_dim=32, dtype=jnp.bfloat16, lower_bound=-3.0)
+    check_against_oracle(jitted("xla", case), case)
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "lower_bound"])
+def test_gate_saturated_backward_matches_oracle(jitted, lower_bound):
+    """g = 12 + randn, A_log = 0: the sigmoid saturates (z >~ 8), where s (1 - s) formed in float32
+    loses its digits (dA_log was off by 2e-3); the gradients must keep float32 accuracy."""
+    case = make_case("kda_gate", seq_len=64, num_heads=2, key_dim=32, dt_bias=False, lower_bound=lower_bound)
+    rng = np.random.default_rng(1)
+    inputs = dict(case.inputs, g=jnp.asarray(12.0 + rng.standard_normal(case.inputs["g"].shape), jnp.float32))
+    inputs["A_log"] = jnp.zeros_like(case.inputs["A_log"])
+    case = dataclasses.replace(case, inputs=inputs, label=case.label + " g=12+randn A_log=0")
+    check_against_oracle(jitted("xla", case), case)
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "lower_bound"])
+def test_gate_extreme_inputs_match_oracle(jitted, lower_bound):
+    """Raw inputs from -1e30 to 1e30 and a large A_log: the gate and its gradients stay finite and exact."""
+    case = make_case("kda_gate", batch=2, seq_len=8, num_heads=2, key_dim=16, lower_bound=lower_bound)
+    g = np.linspace(-1e4, 1e4, case.inputs["g"].size).reshape(case.inputs["g"].shape)
+    g[0, 0] = 1e30
+    g[1, 1] = -1e30
+    inputs = dict(case.inputs, g=jnp.asarray(g, jnp.float32), A_log=jnp.asarray([6.0, -2.0], jnp.float32))
+    case = dataclasses.replace(case, inputs=inputs, label=case.label + " extremes")
+    check_against_oracle(jitted("xla", case), case)
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "lower_bound"])
+def test_gate_float64_computes_in_float64(lower_bound):
+    """With x64 on, float64 inputs and output_dtype=float64: float64-exact (TOLERANCES["float64"])."""
+    with jax.enable_x64(True):
+        case = make_case("kda_gate", seq_len=20, num_heads=2, key_dim=16, lower_bound=lower_bound)
+        inputs = {name: jnp.asarray(np.asarray(x), jnp.float64) for name, x in case.inputs.items()}
+        case = dataclasses.replace(case, inputs=inputs, label=case.label.replace("float32", "float64"))
+        fn = jax.jit(
+            lambda **kw: gla_core.dispatch("kda_gate", impl="xla", output_dtype=jnp.float64, **kw),
+            static_argnames="lower_bound",
+        )
+        check_against_oracle(fn, case)
+
+
+@pytest.mark.parametrize("shape", [dict(batch=0, seq_len=20), dict(batch=2, seq_len=0)], ids=["B0", "T0"])
+def test_gate_empty_inputs(jitted, shape):
+    case = make_case("kda_gate", lower_bound=-5.0, **shape)
     check_against_oracle(jitted("xla", case), case)
 
 

@@ -6,7 +6,10 @@ bfloat16: the looser bounds stated there with their reasons).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -129,3 +132,80 @@ def test_xla_extreme_in_kernel_gate_finite(jitted):
         output_final_state=True,
     )
     check_against_oracle(jitted("xla", case), case)
+
+
+# --------------------------------------------------------------------------- edges of the float range
+
+IMPLS = ("xla", "recurrent")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", ["grouped_h0_ht", "varlen"])
+def test_hard_resets_match_oracle(jitted, hard_reset_case, impl, name):
+    """Gates of -inf (decay exactly 0; its gradient is 0), -1e30, -1e4 and runs of -300: finite
+    and equal to the oracle, at chunk, sub-chunk and sequence boundaries, with h0/ht."""
+    case = hard_reset_case(name)
+    check_against_oracle(jitted(impl, case), case)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "lower_bound"])
+def test_in_kernel_gate_extremes_match_oracle(jitted, gate_extremes_case, impl, lower_bound):
+    case = gate_extremes_case(lower_bound)
+    check_against_oracle(jitted(impl, case), case)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("name", ["batch_heads_gate", "varlen_grouped"])
+def test_nonfinite_inputs_reach_only_later_outputs(jitted, nonfinite_case, nonfinite_check, impl, name):
+    """A NaN/Inf in q, k, v, g, beta or h0 at step t reaches the outputs from t on that the
+    recurrence lets it reach, and nothing in other sequences, batch rows or heads."""
+    case, clean = nonfinite_case(name)
+    nonfinite_check(jitted(impl, case), case, clean)
+
+
+def _as_float64(case):
+    """The case with every input in float64 (x64 must be on)."""
+    inputs = {name: jnp.asarray(np.asarray(x), jnp.float64) for name, x in case.inputs.items()}
+    return dataclasses.replace(case, inputs=inputs, label=case.label.replace("float32", "float64"))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_float64_computes_in_float64(jitted, impl):
+    """With x64 on and float64 inputs, the result is float64-exact (TOLERANCES["float64"])."""
+    options = dict(
+        seq_len=70,
+        cu_seqlens=[0, 21, 21, 70],
+        num_heads=1,
+        num_value_heads=2,
+        chunk_size=16,
+        use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True,
+        lower_bound=-5.0,
+        use_beta_sigmoid_in_kernel=True,
+        initial_state=True,
+        output_final_state=True,
+    )
+    with jax.enable_x64(True):
+        case = _as_float64(make_case("kda", **options))
+        check_against_oracle(jitted(impl, case), case)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize(
+    "shape",
+    [dict(batch=0, seq_len=20), dict(batch=2, seq_len=0), dict(seq_len=0, cu_seqlens=[0, 0, 0])],
+    ids=["B0", "T0", "varlen_all_empty"],
+)
+def test_empty_inputs(jitted, impl, shape):
+    """No tokens: empty outputs, final state = initial state, gradients of the right shapes."""
+    case = make_case(
+        "kda",
+        num_heads=1,
+        num_value_heads=2,
+        use_gate_in_kernel=True,
+        initial_state=True,
+        output_final_state=True,
+        **shape,
+    )
+    check_against_oracle(jitted(impl, case), case)

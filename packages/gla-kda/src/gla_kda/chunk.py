@@ -1,9 +1,10 @@
 """kda implementation `chunk`: the Pallas TPU chunk pipeline (FLA's chunk_kda).
 
 In XLA, before the kernels: L2 normalization of q and k (`gla_kda.l2norm`), the gate
-(`gla_kda.gate.kda_gate`), the beta sigmoid, the varlen re-layout, the kernel layout and the
-sub-block-local cumsum of the gate. Each of these carries its own gradient; the kernels and
-their backward live in `gla_kda.pallas` (`chunk_pipeline`, a `jax.custom_vjp`).
+(`gla_kda.gate.kda_gate`) and its floor (`gla_kda.inputs.floor_log_decay`), the beta sigmoid,
+the non-finite input guard (`gla_kda.nonfinite`), the varlen re-layout and the kernel layout.
+Each of these carries its own gradient; the kernels and their backward live in
+`gla_kda.pallas` (`chunk_pipeline`, a `jax.custom_vjp`).
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ import jax.numpy as jnp
 
 from gla_core import Call, Implementation
 from gla_core.tpu import unsupported_dtype_reason
+from gla_kda.empty import empty_result, has_no_tokens
 from gla_kda.gate import kda_gate
+from gla_kda.inputs import floor_log_decay
 from gla_kda.l2norm import l2norm
+from gla_kda.nonfinite import NonFiniteGuard
 from gla_kda.pallas import layout as kl
 from gla_kda.pallas.config import BlockSizes, KernelConfig
 from gla_kda.pallas.pipeline import PipelineConfig, chunk_pipeline
@@ -59,18 +63,20 @@ def kda_chunk(
     """
     batch, seq_len, num_heads, key_dim = q.shape
     num_value_heads, value_dim = v.shape[2], v.shape[3]
-    kernel_dtype = _kernel_dtype(q.dtype)
+    if has_no_tokens(v):
+        return empty_result(v, key_dim, initial_state, output_final_state, cu_seqlens, jnp.float32)
+    kernel_dtype, out_dtype = _kernel_dtype(q.dtype), v.dtype
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     if use_gate_in_kernel:
         g = kda_gate(g, A_log, dt_bias, lower_bound, output_dtype=jnp.float32)
-    g = g.astype(jnp.float32)
+    g = floor_log_decay(g.astype(jnp.float32))
     beta = beta.astype(jnp.float32)
     if use_beta_sigmoid_in_kernel:
         beta = jax.nn.sigmoid(beta)
+    guard, (q, k, v, g, beta, initial_state) = NonFiniteGuard.build(q, k, v, g, beta, initial_state, cu_seqlens)
 
     layout = kl.make_layout(seq_len, key_dim, value_dim, chunk_size, cu_seqlens)
-    num_states = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
     kp, vp = layout.key_pad, layout.value_pad
     config = PipelineConfig(
         kernel=KernelConfig(
@@ -82,7 +88,7 @@ def kda_chunk(
         ),
         has_initial_state=initial_state is not None,
         output_final_state=output_final_state,
-        num_states=num_states,
+        states_per_row=1 if cu_seqlens is None else cu_seqlens.shape[0] - 1,
     )
     h0 = None if initial_state is None else kl.pad_state(initial_state, layout)
     o, ht = chunk_pipeline(
@@ -90,20 +96,20 @@ def kda_chunk(
         kl.to_kernel(q.astype(kernel_dtype), layout, kp),
         kl.to_kernel(k.astype(kernel_dtype), layout, kp),
         kl.to_kernel(v.astype(kernel_dtype), layout, vp),
-        kl.local_cumsum(kl.to_kernel(g, layout, kp), config.kernel.blocks.sub_chunk),
+        kl.to_kernel(g, layout, kp),
         kl.beta_blocks(kl.to_kernel(beta, layout, None), chunk_size),
         h0,
         kl.chunk_meta(layout, batch),
     )
-    o = kl.from_kernel(o, layout, value_dim).astype(v.dtype)
+    o = kl.from_kernel(o, layout, value_dim).astype(out_dtype)
     if not output_final_state:
-        return o, None
+        return guard.apply(o)
     ht = kl.unpad_state(ht, layout)
     if layout.varlen is not None:
         # A sequence without tokens keeps its initial state (zeros without one).
         kept = jnp.zeros_like(ht) if initial_state is None else initial_state.astype(jnp.float32)
         ht = jnp.where(layout.varlen.empty_sequence[:, None, None, None], kept, ht)
-    return o, ht
+    return guard.apply(o, ht)
 
 
 def supports(call: Call) -> str | None:

@@ -56,6 +56,15 @@ def gate_forward(g, A_log, dt_bias=None, lower_bound=None):
     return lower_bound * jax.nn.sigmoid(rate * x)
 
 
+def _chain(cotangent, partial):
+    """cotangent * partial, exactly 0 where the cotangent is 0 even if the partial is infinite.
+
+    A saturated gate (z = +-inf, rate = inf, softplus = inf) has a zero cotangent and an infinite
+    partial; their product must contribute nothing, not NaN.
+    """
+    return jnp.where(cotangent == 0, 0.0, cotangent * partial)
+
+
 def gate_backward(dgate, g, A_log, dt_bias=None, lower_bound=None):
     """Gradients of `gate_forward` for a cotangent `dgate` [..., HV, K].
 
@@ -72,15 +81,15 @@ def gate_backward(dgate, g, A_log, dt_bias=None, lower_bound=None):
     rate = jnp.exp(a_log)
     if lower_bound is None:
         # gate = -rate * softplus(x): d/dx = -rate * sigmoid(x), d/dA_log = gate.
-        dx = -dgate * rate * jax.nn.sigmoid(x)
-        da_elem = -dgate * rate * jax.nn.softplus(x)
+        dx = _chain(-dgate, rate * jax.nn.sigmoid(x))
+        da_elem = _chain(-dgate, rate * jax.nn.softplus(x))
     else:
-        # gate = lb * sigmoid(z), z = rate * x: d/dz = lb * s (1 - s), dz/dx = rate, dz/dA_log = z.
+        # gate = lb * s(z), z = rate * x: d/dz = lb * s(z) (1 - s(z)), dz/dx = rate, dz/dA_log = z.
+        # s(z) (1 - s(z)) is formed as s(z) s(-z): 1 - s(z) would cancel to 0 (or noise) for z >~ 8.
         z = rate * x
-        s = jax.nn.sigmoid(z)
-        dz = dgate * lower_bound * s * (1.0 - s)
-        dx = dz * rate
-        da_elem = dz * z
+        dz = _chain(dgate, lower_bound * jax.nn.sigmoid(z) * jax.nn.sigmoid(-z))
+        dx = _chain(dz, rate)
+        da_elem = _chain(dz, z)
     leading = tuple(range(g.ndim - 2))
     dA_log = jnp.sum(da_elem, axis=(*leading, g.ndim - 1))
     ddt_bias = None if dt_bias is None else jnp.sum(dx, axis=leading).reshape(-1)

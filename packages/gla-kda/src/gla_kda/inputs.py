@@ -5,7 +5,8 @@ chunk padding, so padded slots stay exactly zero):
 
   q, k   -> float32, L2-normalized over K when `use_qk_l2norm_in_kernel`; q multiplied by
             `scale` (the only place the scale is applied)
-  g      -> the log decay: `kda_gate(g, A_log, dt_bias, lower_bound)` when `use_gate_in_kernel`
+  g      -> the log decay: `kda_gate(g, A_log, dt_bias, lower_bound)` when `use_gate_in_kernel`,
+            raised to `log_decay_floor` (`floor_log_decay`)
   beta   -> `sigmoid(beta)` when `use_beta_sigmoid_in_kernel`
   v      -> float32
 
@@ -24,6 +25,28 @@ import jax.numpy as jnp
 
 from gla_kda.gate import compute_dtype, kda_gate
 from gla_kda.l2norm import l2norm
+
+# exp(floor) rounds to 0 in the dtype (it is below half the smallest subnormal: float32
+# e^-104 = 6.8e-46 < 7.0e-46, float64 e^-746 = 9.8e-325 < 2.5e-324), and so does the
+# exp of any sum with it: raising a stronger decay (down to -inf, a hard reset) to the floor
+# changes no decay and no gradient computed in that dtype; both are exactly 0 either way.
+_LOG_DECAY_FLOORS = {"float32": -104.0, "float64": -746.0}
+
+
+def log_decay_floor(dtype) -> float:
+    """The most negative log decay the chunked forms compute with, for a compute dtype (float32 or float64)."""
+    return _LOG_DECAY_FLOORS[jnp.dtype(dtype).name]
+
+
+def floor_log_decay(g):
+    """Raises the log decays g (any shape, float32 or float64) to `log_decay_floor`; NaN stays NaN.
+
+    Chunked forms combine decays by sums inside a chunk, and matmuls with 0/1 masks: a -inf
+    gate (decay exactly 0) would meet a 0 and give NaN, and a huge finite one (-1e30) would wipe
+    out the digits of every sum it enters. At the floor both behave as the hard reset they are.
+    """
+    floor = log_decay_floor(g.dtype)
+    return jnp.where(g < floor, jnp.asarray(floor, g.dtype), g)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +88,7 @@ def prepare_inputs(
         k = l2norm(k)
     q = q * scale
     g = kda_gate(g, A_log, dt_bias, lower_bound, output_dtype=dtype) if use_gate_in_kernel else g.astype(dtype)
+    g = floor_log_decay(g)
     beta = beta.astype(dtype)
     if use_beta_sigmoid_in_kernel:
         beta = jax.nn.sigmoid(beta)

@@ -24,6 +24,8 @@ import jax.numpy as jnp
 
 from gla_core import Implementation
 from gla_kda.chunking import ChunkGrid, select_initial_state, zero_state
+from gla_kda.empty import empty_result, has_no_tokens
+from gla_kda.gate import compute_dtype
 from gla_kda.inputs import expand_value_heads, prepare_inputs
 from gla_kda.xla_intra import einsum
 
@@ -105,9 +107,12 @@ def kda_recurrent(
     """kda through the token-by-token scan; arguments as validated by `gla_core` (see `fused_recurrent_kda`).
 
     `chunk_size` only sets the checkpoint segment length of the backward.
-    Returns (o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 or None).
+    Returns (o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 (float64 for float64
+    inputs) or None).
     """
     del interpret  # plain XLA: nothing to interpret
+    if has_no_tokens(v):
+        return empty_result(v, q.shape[-1], initial_state, output_final_state, cu_seqlens, compute_dtype(q.dtype))
     prepared = prepare_inputs(
         q,
         k,

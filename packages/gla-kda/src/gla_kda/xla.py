@@ -1,16 +1,17 @@
 """kda implementation `xla`: chunked KDA in plain `jnp` (every backend; the CPU/GPU default).
 
 Pipeline (FLA's chunk_kda algorithm, see `gla_kda.xla_intra` for the math):
-  1. prepare the inputs (l2norm, in-kernel gate, beta sigmoid, scale: `gla_kda.inputs`), expand
-     q/k to the value heads, and lay the sequence out in chunks `[NT, B*HV, C, D]` (varlen:
-     `gla_core.varlen`, each chunk inside one sequence);
+  1. prepare the inputs (l2norm, in-kernel gate and the log-decay floor, beta sigmoid, scale:
+     `gla_kda.inputs`), replace non-finite inputs by zeros (`gla_kda.nonfinite`: the outputs
+     they reach are set to NaN at the end), expand q/k to the value heads, and lay the sequence
+     out in chunks `[NT, B*HV, C, D]` (varlen: `gla_core.varlen`, each chunk inside one sequence);
   2. intra-chunk WY quantities for all chunks at once (batched GEMMs; (I + Akk)^-1 by blocked
      forward substitution in jnp, no LAPACK call);
   3. the delta-rule-corrected state recurrence across chunks (`lax.scan`, one small GEMM pair
      per chunk), resetting the state at every sequence start;
   4. output `o = qg S + Aqk delta` for all chunks at once.
 
-Backward: `jax.custom_vjp` around steps 1b-4 (everything after `prepare_inputs`, whose pieces
+Backward: `jax.custom_vjp` around steps 1b-4 (everything after the guard; `prepare_inputs`' pieces
 carry their own `custom_vjp`). The forward keeps the pullback of the chunked pipeline
 (`jax.vjp`), so the backward is the exact gradient of the computed function: the masked,
 cancellation-free decays keep every intermediate finite. What the pullback keeps is bounded:
@@ -29,7 +30,10 @@ import jax.numpy as jnp
 
 from gla_core import Implementation
 from gla_kda.chunking import ChunkGrid, flat, select_initial_state, zero_state
+from gla_kda.empty import empty_result, has_no_tokens
+from gla_kda.gate import compute_dtype
 from gla_kda.inputs import expand_value_heads, prepare_inputs
+from gla_kda.nonfinite import NonFiniteGuard
 from gla_kda.xla_intra import DEFAULT_SUB_BLOCK, einsum, intra_chunk
 
 
@@ -161,9 +165,12 @@ def kda_xla(
 ):
     """kda through the chunked `jnp` pipeline; arguments as validated by `gla_core` (see `chunk_kda`).
 
-    Returns (o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 or None).
+    Returns (o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 (float64 for float64
+    inputs) or None).
     """
     del interpret  # plain XLA: nothing to interpret
+    if has_no_tokens(v):
+        return empty_result(v, q.shape[-1], initial_state, output_final_state, cu_seqlens, compute_dtype(q.dtype))
     prepared = prepare_inputs(
         q,
         k,
@@ -179,9 +186,10 @@ def kda_xla(
         use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
     )
     config = ChunkConfig(chunk_size=int(chunk_size), output_final_state=bool(output_final_state))
-    o, final = _chunked_delta_rule_vjp(
-        prepared.q, prepared.k, prepared.v, prepared.g, prepared.beta, initial_state, cu_seqlens, config
+    guard, finite = NonFiniteGuard.build(
+        prepared.q, prepared.k, prepared.v, prepared.g, prepared.beta, initial_state, cu_seqlens
     )
+    o, final = guard.apply(*_chunked_delta_rule_vjp(*finite, cu_seqlens, config))
     return o.astype(v.dtype), final
 
 

@@ -86,7 +86,7 @@ def _diagonal_blocks(qb, kb, gb):
     k_decay = (decay * kb[:, None, :, :]).reshape(m * c, c, key_dim)  # [M*c(i), c(j), K]
     rows = jnp.stack([qb, kb], axis=2).reshape(m * c, 2, key_dim)  # q_i and k_i side by side
     scores = einsum("bsk,bjk->bsj", rows, k_decay).reshape(m, c, 2, c)
-    return scores[:, :, 0], scores[:, :, 1] * jnp.asarray(np.tril(np.ones((c, c)), -1), gb.dtype)
+    return scores[:, :, 0], jnp.where(jnp.asarray(np.tril(np.ones((c, c), bool), -1)), scores[:, :, 1], 0.0)
 
 
 def _earlier_blocks(qb, kb, gb):

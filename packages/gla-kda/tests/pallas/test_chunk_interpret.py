@@ -11,11 +11,15 @@ are never multiples of 128, so the lane padding is always exercised.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import gla_core
+from gla_core.pallas_transforms import HigherOrderDerivativeError
 from gla_ref.testing import (
     TOLERANCES,
     assert_close,
@@ -119,3 +123,130 @@ def test_varlen_grouped_new_boundaries_reuse_the_training_step(interpret):
             )
         )
     assert step._cache_size() == 1
+
+
+def _strong_gate_case(seed: int):
+    """l2norm and the softplus gate in the kernel, scale 1, q/k/v ~ U(0, 1), raw g ~ N(0, 1) and
+    A_log = log U(1, 16): per-step decays down to about -50, sub-chunk cumsums down to -290."""
+    case = make_case(
+        "kda",
+        seq_len=64,
+        num_heads=1,
+        key_dim=64,
+        value_dim=64,
+        scale=1.0,
+        use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True,
+        dt_bias=False,
+        seed=seed,
+    )
+    rng = np.random.default_rng(seed)
+    inputs = {name: jnp.asarray(rng.uniform(0.0, 1.0, case.inputs[name].shape), jnp.float32) for name in "qkv"}
+    inputs["g"] = jnp.asarray(rng.standard_normal(case.inputs["g"].shape), jnp.float32)
+    inputs["A_log"] = jnp.asarray(np.log(rng.uniform(1.0, 16.0, case.inputs["A_log"].shape)), jnp.float32)
+    return dataclasses.replace(case, inputs={**case.inputs, **inputs}, label=case.label + " q/k/v~U(0,1) strong gate")
+
+
+def test_strong_in_kernel_gate_gradients(chunk_runner):
+    """dA_log sums dg * gate over every step and key: dg must carry no rounding of terms that
+    cancel (the gradient with respect to the chunk cumsum, reverse-cumsummed, gave dA_log 1.5e-3
+    here; xla 1.4e-7). Runs with x64 on (float32 inputs): the kernels' index maps stay int32."""
+    case = _strong_gate_case(seed=0)
+    with jax.enable_x64(True):
+        errors = check_against_oracle(chunk_runner(case), case)
+    print(_report(case, errors))
+
+
+@pytest.mark.parametrize("name", ["grouped_h0_ht", "varlen"])
+def test_hard_resets_match_oracle(chunk_runner, hard_reset_case, name):
+    """Gates of -inf (decay exactly 0), -1e30, -1e4 and runs of -300 at chunk, sub-chunk and
+    sequence boundaries: finite, and equal to the oracle (a -inf gate has gradient 0)."""
+    case = hard_reset_case(name)
+    print(_report(case, check_against_oracle(chunk_runner(case), case)))
+
+
+def test_in_kernel_gate_extremes_match_oracle(chunk_runner, gate_extremes_case):
+    """Raw gate inputs up to +-1e30 with a large A_log: gates down to -1e33 stay finite and exact."""
+    case = gate_extremes_case(None)
+    print(_report(case, check_against_oracle(chunk_runner(case), case)))
+
+
+@pytest.mark.parametrize("name", ["batch_heads_gate", "varlen_grouped"])
+def test_nonfinite_inputs_reach_only_later_outputs(chunk_runner, nonfinite_case, nonfinite_check, name):
+    """A NaN/Inf input at step t reaches only the outputs the recurrence lets it reach: none
+    before t (the in-chunk matmuls would carry it to earlier rows), none in other sequences,
+    batch rows or heads."""
+    case, clean = nonfinite_case(name)
+    nonfinite_check(chunk_runner(case), case, clean)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [dict(batch=0, seq_len=20), dict(batch=2, seq_len=0), dict(seq_len=0, cu_seqlens=[0, 0, 0])],
+    ids=["B0", "T0", "varlen_all_empty"],
+)
+def test_empty_inputs(chunk_runner, shape):
+    """No tokens: empty outputs, final state = initial state, gradients of the right shapes."""
+    case = make_case(
+        "kda",
+        num_heads=1,
+        num_value_heads=2,
+        use_gate_in_kernel=True,
+        initial_state=True,
+        output_final_state=True,
+        **shape,
+    )
+    check_against_oracle(chunk_runner(case), case)
+
+
+def test_vmap_matches_each_elements_oracle(interpret):
+    """`jax.vmap` over a leading axis of every input (varlen with shared boundaries, grouped value
+    heads, in-kernel gate, h0/ht): the forward and VJP of each mapped element equal its own float64
+    oracle. The kernels fold the mapped axis into their batch axis (`gla_core.pallas_transforms`)."""
+    options = dict(
+        seq_len=40,
+        cu_seqlens=[0, 7, 7, 40],
+        num_heads=1,
+        num_value_heads=2,
+        chunk_size=16,
+        use_gate_in_kernel=True,
+        initial_state=True,
+        output_final_state=True,
+    )
+    cases = [make_case("kda", seed=seed, **options) for seed in (0, 1)]
+    static = {n: v for n, v in cases[0].options.items() if n != "cu_seqlens"}
+    cu_seqlens = cases[0].options["cu_seqlens"]
+    references = [oracle(case) for case in cases]
+    shapes = {name: value.shape for name, value in references[0].outputs.items()}
+
+    def forward_and_vjp(inputs, cts):
+        run = lambda inputs: gla_core.dispatch(
+            "kda", impl="chunk", interpret=interpret, cu_seqlens=cu_seqlens, **inputs, **static
+        )
+        outputs, vjp = jax.vjp(run, inputs)
+        return outputs, vjp(cts)[0]
+
+    stack = lambda trees: jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
+    cts = [cotangents(case, shapes, 0) for case in cases]
+    cts = stack([(jnp.asarray(ct["o"], jnp.float32), jnp.asarray(ct["final_state"], jnp.float32)) for ct in cts])
+    (o, ht), grads = jax.jit(jax.vmap(forward_and_vjp))(stack([case.inputs for case in cases]), cts)
+    tol = TOLERANCES["float32"]
+    for index, (case, reference) in enumerate(zip(cases, references, strict=True)):
+        assert_close("o", o[index], reference.outputs["o"], tol.output, label=case.label)
+        assert_close("final_state", ht[index], reference.outputs["final_state"], tol.output, label=case.label)
+        for name in case.differentiable:
+            assert_close("d" + name, grads[name][index], reference.grads["d" + name], tol.grad, label=case.label)
+
+
+def test_second_order_gradients_raise_a_clear_error(interpret):
+    """The backward is hand-written kernels: differentiating it again names the implementation
+    and the alternative instead of failing inside Pallas."""
+    case = make_case("kda", seq_len=16, initial_state=True)
+    static = dict(case.options)
+
+    def loss(q):
+        o, _ = gla_core.dispatch("kda", impl="chunk", interpret=interpret, **{**case.inputs, "q": q}, **static)
+        return jnp.sum(o * o)
+
+    with pytest.raises(HigherOrderDerivativeError, match=r"(?s)kda impl='chunk'.*impl='xla'"):
+        jax.grad(lambda q: jnp.sum(jax.grad(loss)(q)))(case.inputs["q"])

@@ -33,8 +33,23 @@ def _chunk_data(seed: int, decay_scale: float):
     return g, a, b
 
 
+def _strong_then_weak(seed: int):
+    """Strong decays (-18 to -20) on the first 12 steps of every sub-block, weak ones (> -0.05)
+    after them.
+
+    The pairs of weak steps sit behind a cumsum of about -230: their decays exp(L_i - L_j) are
+    of order 1 while a rounded cumsum holds L only to eps * 230 = 3e-5.
+    """
+    g, a, b = _chunk_data(seed, 0.05)
+    strong = (np.arange(C) % S) < 12
+    g[strong] = -np.random.default_rng(seed + 10).uniform(18.0, 20.0, size=g[strong].shape)
+    return g, a, b
+
+
 def _local(g):
-    return np.cumsum(g.reshape(C // S, S, K), axis=1).reshape(C, K)
+    """(hi, lo) float32 [C, K]: the compensated sub-block-local cumsum the kernels read."""
+    hi, lo = kl.local_cumsum(jnp.asarray(g, jnp.float32)[None, None], S)
+    return hi[0, 0], lo[0, 0]
 
 
 def _decay_tensor(g):
@@ -46,43 +61,106 @@ def _decay_tensor(g):
 
 
 @jax.jit
-def _exponents(local):
-    d = cm.Decays(local, cm.SubBlocks(C, S))
-    return d.cum, d.to_end, d.total, d.before_anchor(2), d.after_block(1)
+def _exponents(hi, lo):
+    d = cm.Decays(hi, cm.SubBlocks(C, S), lo)
+    return d.cum, d.to_end, d.total, d.before_anchor(2), d.within_block(2), d.from_position(5)
 
 
 @functools.partial(jax.jit, static_argnames="unroll")
-def _products(local, a, b, p, unroll):
-    d = cm.Decays(local, cm.SubBlocks(C, S))
+def _products(hi, lo, a, b, p, unroll):
+    d = cm.Decays(hi, cm.SubBlocks(C, S), lo)
     (scores,) = cm.gated_scores([a], b, d, jnp.float32, unroll)
-    (rows,) = cm.gated_rows([p], b, d, jnp.float32, unroll)
-    (cols,) = cm.gated_cols([(p, a)], d, jnp.float32, unroll)
-    return scores, rows, cols
+    grads = cm.gated_grads([(p, a)], b, d, jnp.float32, unroll)
+    zeros = jnp.zeros_like(a)
+    dg = d.gate_grad(zeros, zeros, grads.after_block, grads.before_block) + grads.direct
+    return scores, grads.rows[0], grads.cols[0], dg
 
 
-@pytest.mark.parametrize("decay_scale", [0.5, 40.0])
-def test_decay_exponents_match_cumsum(decay_scale):
-    g, _, _ = _chunk_data(0, decay_scale)
+def _exponent_pairs(g):
+    """(name, computed, float64 reference, kept rows) of every exponent kind of `Decays`."""
     cum = np.cumsum(g, axis=0)
-    got = _exponents(jnp.asarray(_local(g), jnp.float32))
-    before = np.where(np.arange(C)[:, None] < 2 * S, cum[2 * S] - cum, 0.0)
-    expected = (cum, cum[-1] - cum, cum[-1:], before, cum[2 * S :] - cum[2 * S - 1])
-    for name, x, ref in zip(("cum", "to_end", "total", "before_anchor", "after_block"), got, expected, strict=True):
-        assert_close(name, x, ref, TOL)
+    rows = np.arange(C)
+    anchor = (rows // S) * S + 5
+    got = _exponents(*_local(g))
+    every = np.ones(C, bool)
+    return [
+        ("cum", got[0], cum, every),
+        ("to_end", got[1], cum[-1] - cum, every),
+        ("total", got[2], cum[-1:], np.ones(1, bool)),
+        ("before_anchor", got[3], np.where(rows[:, None] < 2 * S, cum[2 * S] - cum, 0.0), rows < 2 * S),
+        ("within_block", got[4], cum[2 * S : 3 * S] - cum[2 * S], np.ones(S, bool)),
+        ("from_position", got[5], np.where((rows % S >= 5)[:, None], cum - cum[anchor], 0.0), rows % S >= 5),
+    ]
 
 
-@pytest.mark.parametrize(("decay_scale", "unroll"), [(0.5, False), (40.0, False), (40.0, True)])
-def test_gated_products_and_their_transposes(decay_scale, unroll):
-    """gated_scores, gated_rows and gated_cols against explicit [C, C, K] decays, rolled (interpret
-    mode) and unrolled with static row picks (TPU)."""
-    g, a, b = _chunk_data(1, decay_scale)
+@pytest.mark.parametrize("data", ["mild", "strong", "strong_then_weak"])
+def test_decay_exponents_match_cumsum(data):
+    g, _, _ = {"mild": _chunk_data(0, 0.5), "strong": _chunk_data(0, 40.0), "strong_then_weak": _strong_then_weak(0)}[
+        data
+    ]
+    for name, x, ref, kept in _exponent_pairs(g):
+        assert_close(name, jnp.where(jnp.asarray(kept)[:, None], x, 0.0), np.where(kept[:, None], ref, 0.0), TOL)
+
+
+def test_decays_stay_exact_behind_strong_decays():
+    """Every decay exp(exponent) of order 1 keeps float32 accuracy per element, also for the weak
+    steps that follow strong ones in a sub-block (a difference of rounded cumsums would be off
+    by eps * |L| = 3e-5 there)."""
+    g, _, _ = _strong_then_weak(4)
+    for name, x, ref, kept in _exponent_pairs(g):
+        visible = np.broadcast_to(kept[:, None] & (ref > -1.0), ref.shape)  # decays of order 1
+        decay, expected = np.exp(np.asarray(x, np.float64)[visible]), np.exp(ref[visible])
+        error = float(np.max(np.abs(decay - expected) / expected, initial=0.0))
+        assert error <= TOLERANCES["float32_elementwise"].output, f"{name}: decay off by {error:.2e} relative"
+
+
+@pytest.mark.parametrize(
+    ("data", "unroll"), [("mild", False), ("strong", False), ("strong", True), ("strong_then_weak", False)]
+)
+def test_gated_products_and_their_gradients(data, unroll):
+    """gated_scores and gated_grads (row, column and per-step decay gradients) against explicit
+    [C, C, K] decays, rolled (interpret mode) and unrolled with static row picks (TPU)."""
+    g, a, b = {"mild": _chunk_data(1, 0.5), "strong": _chunk_data(1, 40.0), "strong_then_weak": _strong_then_weak(1)}[
+        data
+    ]
     weights = np.tril(np.random.default_rng(2).standard_normal((C, C)))
     decay = _decay_tensor(g)
     f32 = lambda x: jnp.asarray(x, jnp.float32)
-    scores, rows, cols = _products(f32(_local(g)), f32(a), f32(b), f32(weights), unroll)
+    scores, rows, cols, dg = _products(*_local(g), f32(a), f32(b), f32(weights), unroll)
     assert_close("scores", scores, np.einsum("id,jd,ijd->ij", a, b, decay), TOL)
     assert_close("rows", rows, np.einsum("ij,jd,ijd->id", weights, b, decay), TOL)
     assert_close("cols", cols, np.einsum("ij,id,ijd->jd", weights, a, decay), TOL)
+    # d/dg_u of sum_ij W_ij a_i b_j exp(G_i - G_j): the pairs j < u <= i.
+    pairs = np.einsum("ij,id,jd,ijd->ijd", weights, a, b, decay)
+    expected = np.stack([pairs[u:, :u].sum(axis=(0, 1)) for u in range(C)])
+    assert_close("dg", dg, expected, TOL)
+
+
+def test_gate_grad_sums_each_term_over_its_steps():
+    rng = np.random.default_rng(6)
+    parts = [rng.standard_normal((C, K)) for _ in range(4)]
+    d = cm.Decays(jnp.zeros((C, K), jnp.float32), cm.SubBlocks(C, S), jnp.zeros((C, K), jnp.float32))
+    got = jax.jit(d.gate_grad)(*(jnp.asarray(x, jnp.float32) for x in parts))
+    rows, block = np.arange(C), np.arange(C) // S
+    masks = (
+        rows[None, :] >= rows[:, None],
+        rows[None, :] < rows[:, None],
+        (rows[None, :] >= rows[:, None]) & (block[None, :] == block[:, None]),
+        (rows[None, :] < rows[:, None]) & (block[None, :] == block[:, None]),
+    )
+    expected = sum(mask.astype(float) @ x for mask, x in zip(masks, parts, strict=True))
+    assert_close("dg", got, expected, TOL)
+
+
+def test_local_cumsum_is_compensated():
+    """hi + lo is the float64 sub-block cumsum (hi alone is off by up to half an ulp of |L| ~ 300)."""
+    g, _, _ = _strong_then_weak(3)
+    hi, lo = _local(g)
+    exact = np.cumsum(np.asarray(jnp.asarray(g, jnp.float32), np.float64).reshape(C // S, S, K), axis=1).reshape(C, K)
+    # Compensated: the pair keeps float64-level round-off (hi alone is off by ~1e-5 absolute).
+    assert_close(
+        "hi + lo", np.asarray(hi, np.float64) + np.asarray(lo, np.float64), exact, TOLERANCES["float64_identity"].output
+    )
 
 
 @pytest.mark.parametrize("unroll", [False, True])
@@ -97,25 +175,6 @@ def test_row_column_transposes():
     row = jnp.arange(8, dtype=jnp.float32)[None, :]
     np.testing.assert_array_equal(cm.row_to_column(row), row.T)
     np.testing.assert_array_equal(cm.column_to_row(row.T), row)
-
-
-def test_chunk_grad_to_local_is_the_transpose_of_the_cumsum_map():
-    """dL = J^T dG for G = within-chunk cumsum written in terms of the local cumsum L."""
-    rng = np.random.default_rng(4)
-    shape, chunk, sub = (1, 2, 2 * C, 3), C, S
-
-    def chunk_cum_from_local(local):
-        blocks = local.reshape(1, 2, 2, C // S, S, 3)
-        before = jnp.cumsum(blocks[..., -1, :], axis=3) - blocks[..., -1, :]
-        return (blocks + before[..., None, :]).reshape(shape)
-
-    g = jnp.asarray(rng.standard_normal(shape), jnp.float32)
-    local = kl.local_cumsum(g, sub)
-    chunk_cum = jnp.cumsum(g.reshape(1, 2, 2, C, 3), axis=3).reshape(shape)
-    assert_close("G from L", chunk_cum_from_local(local), chunk_cum, TOL)
-    dg_chunk = jnp.asarray(rng.standard_normal(shape), jnp.float32)
-    (expected,) = jax.vjp(chunk_cum_from_local, local)[1](dg_chunk)
-    assert_close("dL", kl.chunk_grad_to_local(dg_chunk, chunk, sub), expected, TOL)
 
 
 @pytest.mark.parametrize("cu_seqlens", [None, [0, 5, 5, 70, 90]])

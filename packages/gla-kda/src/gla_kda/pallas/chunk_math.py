@@ -8,10 +8,10 @@ Notation for one chunk of C tokens split into nb = C / s sub-blocks of s rows:
   off-diagonal sub-blocks are anchored at a row n between j and i,
       exp(G_i - G_j) = exp(G_i - G_n) * exp(G_n - G_j),   both exponents <= 0,
   and diagonal sub-blocks loop over one of the s positions, exponentiating masked differences.
-  Kernels receive the sub-block-local cumsum L (restarting at every sub-block) instead of G:
-  every exponent is assembled from L and sub-block totals, sums of same-sign terms, so its
-  float32 error is relative to its own size plus at most one sub-block's total (a difference
-  of chunk-level cumsums would lose ~eps * |G| and |G| reaches |g| * C). See `Decays`.
+  Kernels receive the sub-block-local cumsum L (restarting at every sub-block) instead of G,
+  as a compensated float32 pair: every exponent is assembled from L and sub-block totals,
+  with differences taken part by part, so its float32 error is relative to its own size (a
+  difference of rounded cumsums would lose ~eps * |L|, and |G| reaches |g| * C). See `Decays`.
 
 Nothing here uses cumsum, gathers or jnp.linalg: only matmuls, iota masks, static aligned
 slices and reductions, which Mosaic lowers.
@@ -19,6 +19,7 @@ slices and reductions, which Mosaic lowers.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -84,6 +85,12 @@ class SubBlocks:
             row = jnp.sum(jnp.where(iota(parts.shape, 1) == position, parts, 0.0), axis=1, keepdims=True)
         return jnp.broadcast_to(row, parts.shape).reshape(self.chunk, d)
 
+    def block_sums(self, x):
+        """[C, D]: every row replaced by the sum of the rows of its sub-block."""
+        d = x.shape[-1]
+        sums = jnp.sum(self.split(x), axis=1, keepdims=True)
+        return jnp.broadcast_to(sums, (self.count, self.sub, d)).reshape(self.chunk, d)
+
     def position(self, width: int):
         """[C, width] int32: each row's position inside its sub-block."""
         return iota((self.count, self.sub, width), 1).reshape(self.chunk, width)
@@ -109,18 +116,33 @@ class SubBlocks:
 
 
 class Decays:
-    """Every decay exponent a kernel needs, from the sub-block-local cumsum L [C, K] (float32).
+    """Every decay exponent a kernel needs, from the sub-block-local cumsum L [C, K] of g.
 
+    L restarts at every sub-block and arrives as an unevaluated float32 sum L = hi + lo
+    (compensated summation, `layout.local_cumsum`): hi is L rounded to float32, lo the rounding
+    error. Sums of same-sign terms are accurate relative to themselves from hi alone. A
+    difference L_i - L_j is formed as (hi_i - hi_j) + (lo_i - lo_j): accurate relative to itself,
+    where hi alone would carry an absolute error of eps * |L| (after a few steps of decay -20, an
+    error of 1e-5 in a decay exp(L_i - L_j) of order 1; |L| reaches 1664 = s * 104 at the floor).
     With tau_b the total of sub-block b (L at its last row) and blk(i) the sub-block of row i:
       cum       G_i            = sum_{c < blk(i)} tau_c + L_i
       to_end    G_last - G_i   = (tau_blk(i) - L_i) + sum_{c > blk(i)} tau_c
       total     G_last         = sum_c tau_c                                  [1, K]
-    Exponents are all <= 0.
+    Exponents are all <= 0. Without lo (a kernel that needs only `cum` and `total`), the
+    differences are not available.
     """
 
-    def __init__(self, local, sb: SubBlocks):
-        self.local, self.sb = local, sb
-        self.totals = [local[(b + 1) * sb.sub - 1 : (b + 1) * sb.sub] for b in range(sb.count)]
+    def __init__(self, hi, sb: SubBlocks, lo=None):
+        self.hi, self.lo, self.sb = hi, lo, sb
+        last = [(b + 1) * sb.sub - 1 for b in range(sb.count)]
+        self.totals = [hi[i : i + 1] + (0.0 if lo is None else lo[i : i + 1]) for i in last]
+        self._totals_parts = [(hi[i : i + 1], None if lo is None else lo[i : i + 1]) for i in last]
+
+    def _difference(self, x_hi, x_lo, y_hi, y_lo):
+        """(x - y) from the unevaluated sums x = x_hi + x_lo and y = y_hi + y_lo."""
+        if self.lo is None:
+            raise ValueError("Decays: differences of the cumsum need its low part (lo)")
+        return (x_hi - y_hi) + (x_lo - y_lo)
 
     def _sum(self, first: int, last: int):
         """sum_{c = first..last} tau_c as [1, K] (zeros when empty)."""
@@ -129,26 +151,28 @@ class Decays:
             acc = acc + self.totals[c]
         return acc
 
-    def _per_block(self, rows):
+    def per_block(self, rows):
         """[C, K] from one [1, K] row (or None for zeros) per sub-block, broadcast over its s rows."""
-        k = self.local.shape[1]
+        k = self.hi.shape[1]
         slabs = [None if r is None else jnp.broadcast_to(r, (self.sb.sub, k)) for r in rows]
         return self.sb.stack(slabs, k)
 
     @functools.cached_property
     def to_block_end(self):
         """[C, K] G_end(blk(i)) - G_i = tau_blk(i) - L_i."""
-        return self._per_block(self.totals) - self.local
+        his, los = zip(*self._totals_parts, strict=True)
+        return self._difference(self.per_block(his), self.per_block(los), self.hi, self.lo)
 
     @functools.cached_property
     def cum(self):
         """[C, K] G_i."""
-        return self._per_block([self._sum(0, b - 1) for b in range(self.sb.count)]) + self.local
+        local = self.hi if self.lo is None else self.hi + self.lo
+        return self.per_block([self._sum(0, b - 1) for b in range(self.sb.count)]) + local
 
     @functools.cached_property
     def to_end(self):
         """[C, K] G_last - G_i."""
-        after = self._per_block([self._sum(b + 1, self.sb.count - 1) for b in range(self.sb.count)])
+        after = self.per_block([self._sum(b + 1, self.sb.count - 1) for b in range(self.sb.count)])
         return self.to_block_end + after
 
     @functools.cached_property
@@ -159,24 +183,41 @@ class Decays:
     def before_anchor(self, r: int):
         """[C, K] G_n - G_j for rows j < n = r * s (first row of sub-block r); 0 on rows >= n."""
         n = r * self.sb.sub
-        first = self.local[n : n + 1]
+        first = self.hi[n : n + 1] + self.lo[n : n + 1]
         slabs = []
         for b in range(self.sb.count):
             if b < r:
                 slabs.append(self.sb.rows(self.to_block_end, b) + self._sum(b + 1, r - 1) + first)
             else:
                 slabs.append(None)
-        return self.sb.stack(slabs, self.local.shape[1])
-
-    def after_block(self, cb: int):
-        """[C - (cb + 1) s, K] G_i - G_m for the rows i after sub-block cb (m its last row)."""
-        slabs = [self.sb.rows(self.local, b) + self._sum(cb + 1, b - 1) for b in range(cb + 1, self.sb.count)]
-        return slabs[0] if len(slabs) == 1 else jnp.concatenate(slabs, axis=0)
+        return self.sb.stack(slabs, self.hi.shape[1])
 
     def within_block(self, r: int):
         """[s, K] G_i - G_n for the rows of sub-block r (n its first row)."""
         n = r * self.sb.sub
-        return self.sb.rows(self.local, r) - self.local[n : n + 1]
+        rows = self.sb.rows
+        return self._difference(rows(self.hi, r), rows(self.lo, r), self.hi[n : n + 1], self.lo[n : n + 1])
+
+    def from_position(self, jj):
+        """[C, K] G_i - G_m, m the row at position jj of row i's sub-block (meaningful where i >= m)."""
+        row = self.sb.broadcast_row
+        return self._difference(self.hi, self.lo, row(self.hi, jj), row(self.lo, jj))
+
+    def gate_grad(self, after, before, after_block, before_block):
+        """The gradient [C, K] with respect to the per-step log decays g of the chunk.
+
+        Every argument is [C, K] float32, each term entering only the steps its exponent sums:
+          dg_u = sum_{t >= u} after_t + sum_{t < u} before_t
+                 + sum_{t >= u in u's sub-block} after_block_t + sum_{t < u in u's sub-block} before_block_t
+        (G_t sums the decays up to t; G_last - G_t those after t; and the same inside a sub-block).
+        Float32 triangular matmuls; nothing is formed as a difference of sums.
+        """
+        c = self.sb.chunk
+        u, t = iota((c, c), 0), iota((c, c), 1)
+        same_block = self.sb.same_block()
+        masks = (t >= u, t < u, (t >= u) & same_block, (t < u) & same_block)
+        terms = (after, before, after_block, before_block)
+        return sum(dot(jnp.where(mask, 1.0, 0.0), term, F32) for mask, term in zip(masks, terms, strict=True))
 
 
 def _masked_exp(diff, keep):
@@ -209,7 +250,7 @@ def gated_scores(rows_ops, col_op, decays: Decays, dtype, unroll: bool):
     Returns:
       One [C, C] float32 per row operand.
     """
-    sb, g = decays.sb, decays.local
+    sb = decays.sb
     c = sb.chunk
     col = iota((c, c), 1)
     # Off-diagonal sub-blocks: rows of block r against columns < n = r * s, anchored at row n.
@@ -222,11 +263,11 @@ def gated_scores(rows_ops, col_op, decays: Decays, dtype, unroll: bool):
             block = dot(sb.rows(a, r) * decay_rows, b_anchored, dtype, trans_b=True)
             slabs.append(jnp.where(col[:1] < n, block, 0.0))
     scores = tuple(sb.stack(slabs, c) for slabs in off)
-    position, start = sb.position(g.shape[1]), sb.start(c)
+    position, start = sb.position(col_op.shape[1]), sb.start(c)
 
     # Diagonal sub-blocks: column position jj of every sub-block at a time.
     def column(jj, scores):
-        decay = _masked_exp(g - sb.broadcast_row(g, jj), position >= jj)
+        decay = _masked_exp(decays.from_position(jj), position >= jj)
         b_decayed = sb.broadcast_row(col_op, jj) * decay
         target = col == start + jj
         columns = [jnp.sum(a * b_decayed, axis=1, keepdims=True) for a in rows_ops]
@@ -237,70 +278,102 @@ def gated_scores(rows_ops, col_op, decays: Decays, dtype, unroll: bool):
     return [jnp.where(causal, p, 0.0) for p in scores]
 
 
-def gated_rows(weights, col_op, decays: Decays, dtype, unroll: bool):
-    """R[P]_i = sum_{j <= i} P_ij b_j exp(G_i - G_j), for lower-triangular weights P [C, C].
+@dataclasses.dataclass(frozen=True)
+class GatedGrads:
+    """Gradients of the gated products P[a]_ij = sum_d a_id b_jd exp(G_id - G_jd) (j <= i) for cotangents W.
 
-    The row-operand gradient of `gated_scores`: with dP the cotangent of P, da = R[dP].
-    Returns one [C, K] float32 per weight matrix (entries of P above the diagonal must be 0).
+    rows: one [C, K] per product, sum_{j <= i} W_ij b_j exp(G_i - G_j) (times a: the row operand's gradient).
+    cols: one [C, K] per product, sum_{i >= j} W_ij a_i exp(G_i - G_j) (times b: the column operand's).
+    Gate gradient of all products together, in the parts `Decays.gate_grad` sums: with
+    M_ij = W_ij a_i b_j exp(G_i - G_j), every pair j < u <= i reaches the per-step decay g_u:
+      after_block [C, K]: M summed over the columns of earlier sub-blocks, for the rows of the
+        row's sub-block at or after u;
+      before_block [C, K]: M summed over the rows of later sub-blocks, for the columns of the
+        column's sub-block before u;
+      direct [C, K]: the pairs inside one sub-block, and the pairs whose sub-blocks lie on both
+        sides of u's sub-block.
+    Each part is a sum of the pairs' own terms; none is a difference of sums that cancel.
     """
-    sb, g = decays.sb, decays.local
+
+    rows: list
+    cols: list
+    after_block: jax.Array
+    before_block: jax.Array
+    direct: jax.Array
+
+
+def gated_grads(pairs, col_op, decays: Decays, dtype, unroll: bool) -> GatedGrads:
+    """Row, column and gate gradients of gated products sharing the column operand b.
+
+    Args:
+      pairs: (W, a) per product: W [C, C] the cotangent of P (zero above the diagonal), a [C, K]
+        the row operand (float32).
+      col_op: the column operand b [C, K] float32.
+      decays: the chunk's decay exponents.
+      dtype: matrix-unit operand dtype of the off-diagonal products.
+      unroll: unroll the loop over sub-block positions.
+
+    Returns:
+      `GatedGrads`.
+    """
+    sb = decays.sb
     c, k = sb.chunk, col_op.shape[1]
     col = iota((c, c), 1)
-    off = [[None] for _ in weights]
+    rows_off = [[None] for _ in pairs]
+    cols = [jnp.zeros((c, k), F32) for _ in pairs]
+    after_off = [None]
+    between = [jnp.zeros((1, k), F32) for _ in range(sb.count)]
+    # Off-diagonal sub-blocks: rows of block r against the columns j < n = r * s, anchored at row n.
     for r in range(1, sb.count):
         n = r * sb.sub
-        b_anchored = col_op * jnp.exp(decays.before_anchor(r))
+        col_decay = jnp.exp(decays.before_anchor(r))  # exp(G_n - G_j) on rows j < n
+        b_anchored = col_op * col_decay
         decay_rows = jnp.exp(decays.within_block(r))
-        for slabs, p in zip(off, weights, strict=True):
-            before = jnp.where(col[: sb.sub] < n, sb.rows(p, r), 0.0)
-            slabs.append(decay_rows * dot(before, b_anchored, dtype))
-    result = tuple(sb.stack(slabs, k) for slabs in off)
+        after = jnp.zeros((sb.sub, k), F32)
+        column_terms = jnp.zeros((c, k), F32)
+        for index, (w, a) in enumerate(pairs):
+            before = jnp.where(col[: sb.sub] < n, sb.rows(w, r), 0.0)
+            row_grad = decay_rows * dot(before, b_anchored, dtype)
+            rows_off[index].append(row_grad)
+            after = after + sb.rows(a, r) * row_grad
+            # sum_{i in block r} W_ij a_i exp(G_i - G_n), zero on the rows j >= n.
+            from_block = dot(before, sb.rows(a, r) * decay_rows, dtype, trans_a=True)
+            cols[index] = cols[index] + col_decay * from_block
+            column_terms = column_terms + b_anchored * from_block
+        after_off.append(after)
+        # Pairs (i in block r, j before block c) straddle every step of a block c strictly between.
+        for between_block in range(1, r):
+            between[between_block] = between[between_block] + jnp.sum(
+                column_terms[: between_block * sb.sub], axis=0, keepdims=True
+            )
+    before_block = col_op * sum(cols)  # the off-diagonal part so far: rows of later sub-blocks only
     position, start = sb.position(k), sb.start(c)
 
-    def column(jj, result):
-        decay = _masked_exp(g - sb.broadcast_row(g, jj), position >= jj)
-        b_decayed = sb.broadcast_row(col_op, jj) * decay
+    # Diagonal sub-blocks: column position jj of every sub-block at a time, in increasing order.
+    def column(jj, carry):
+        rows, cols, reached, direct = carry
+        decay = _masked_exp(decays.from_position(jj), position >= jj)
+        b_col = sb.broadcast_row(col_op, jj)
         target = col == start + jj
-        return tuple(
-            acc + jnp.sum(jnp.where(target, p, 0.0), axis=1, keepdims=True) * b_decayed
-            for acc, p in zip(result, weights, strict=True)
-        )
+        new_rows, new_cols = [], []
+        for acc_row, acc_col, (w, a) in zip(rows, cols, pairs, strict=True):
+            w_col = jnp.sum(jnp.where(target, w, 0.0), axis=1, keepdims=True)  # W_i,jj
+            new_rows.append(acc_row + w_col * b_col * decay)
+            weighted = w_col * a * decay
+            new_cols.append(acc_col + jnp.where(position == jj, sb.block_sums(weighted), 0.0))
+            reached = reached + weighted * b_col  # sum over the columns <= jj of M_ij
+        # Steps u = jj + 1: pairs j <= jj < u <= i inside the sub-block.
+        later = sb.block_sums(jnp.where(position > jj, reached, 0.0))
+        direct = direct + jnp.where(position == jj + 1, later, 0.0)
+        return new_rows, new_cols, reached, direct
 
-    return list(_loop(sb.sub, column, result, unroll))
-
-
-def gated_cols(pairs, decays: Decays, dtype, unroll: bool):
-    """Q[P, a]_j = sum_{i >= j} P_ij a_i exp(G_i - G_j), for lower-triangular P [C, C].
-
-    The column-operand gradient of `gated_scores`: with dP the cotangent of P[a], db = Q[dP, a].
-    Args: pairs of (P [C, C], a [C, K]). Returns one [C, K] float32 per pair.
-    """
-    sb, g = decays.sb, decays.local
-    c, k = sb.chunk, g.shape[1]
-    off = [[] for _ in pairs]
-    # Columns of block cb against the rows after it, anchored at the block's last row.
-    for cb in range(sb.count - 1):
-        after = (cb + 1) * sb.sub
-        decay_rows = jnp.exp(decays.after_block(cb))
-        decay_cols = jnp.exp(sb.rows(decays.to_block_end, cb))
-        for slabs, (p, a) in zip(off, pairs, strict=True):
-            full = dot(p[after:], a[after:] * decay_rows, dtype, trans_a=True)
-            slabs.append(decay_cols * sb.rows(full, cb))
-    result = tuple(sb.stack([*slabs, None], k) for slabs in off)
-    position = sb.position(k)
-    eye = eye_mask(c)
-
-    def row(ii, result):
-        decay = _masked_exp(sb.broadcast_row(g, ii) - g, position <= ii)
-        return tuple(
-            acc
-            + jnp.sum(jnp.where(eye, sb.broadcast_row(p, ii), 0.0), axis=1, keepdims=True)
-            * sb.broadcast_row(a, ii)
-            * decay
-            for acc, (p, a) in zip(result, pairs, strict=True)
-        )
-
-    return list(_loop(sb.sub, row, result, unroll))
+    zeros = jnp.zeros((c, k), F32)
+    rows_diag, cols, _, direct = _loop(sb.sub, column, ([zeros for _ in pairs], cols, zeros, zeros), unroll)
+    rows = [sb.stack(slabs, k) + diag for slabs, diag in zip(rows_off, rows_diag, strict=True)]
+    direct = direct + decays.per_block(between)
+    return GatedGrads(
+        rows=rows, cols=cols, after_block=sb.stack(after_off, k), before_block=before_block, direct=direct
+    )
 
 
 def unit_lower_inverse(a, sb: SubBlocks, unroll: bool):

@@ -16,16 +16,18 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from gla_core.pallas_transforms import fold_vmap
 from gla_kda.pallas import chunk_math as cm
 from gla_kda.pallas.config import KernelConfig, compiler_params
 
 
-def intra_kernel(q_ref, k_ref, g_ref, beta_ref, tinv_ref, aqk_ref, *, config: KernelConfig):
-    """Blocks: q, k, g (sub-block-local decay cumsum) [C, K]; beta [1, C]; outputs tinv, aqk [C, C] float32."""
+def intra_kernel(q_ref, k_ref, g_ref, g_lo_ref, beta_ref, tinv_ref, aqk_ref, *, config: KernelConfig):
+    """Blocks: q, k, g, g_lo (sub-block-local decay cumsum, hi and lo parts) [C, K]; beta [1, C];
+    outputs tinv, aqk [C, C] float32."""
     sb = cm.SubBlocks(config.blocks.chunk_size, config.blocks.sub_chunk)
     q = q_ref[...].astype(cm.F32) * config.scale
     k = k_ref[...].astype(cm.F32)
-    decays = cm.Decays(g_ref[...], sb)
+    decays = cm.Decays(g_ref[...], sb, g_lo_ref[...])
     beta = cm.row_to_column(beta_ref[...])
     kk, qk = cm.gated_scores([k, q], k, decays, config.mxu_dtype, config.unroll)
     akk = jnp.where(cm.lower_mask(sb.chunk, strict=True), beta * kk, 0.0)
@@ -35,7 +37,7 @@ def intra_kernel(q_ref, k_ref, g_ref, beta_ref, tinv_ref, aqk_ref, *, config: Ke
 
 def qk_index(b, j, t, *_, group: int):
     """q/k block of value head j: q/k head j // group (truncating division: no sign op in Mosaic)."""
-    return (b, jax.lax.div(j, group), t, 0)
+    return (b, jax.lax.div(j, jnp.int32(group)), t, 0)
 
 
 def head_index(b, j, t, *_):
@@ -51,19 +53,26 @@ def intra_cost(batch, heads, num_chunks, c, k, s, itemsize):
     steps = batch * heads * num_chunks
     flops = steps * (2 * 2 * c * c * k + 3 * 2 * c * s * k + 2 * c * c * c + 2 * c * c * s)
     transcendentals = steps * (s + c // s) * c * k
-    bytes_accessed = steps * (2 * c * k * itemsize + c * k * 4 + c * 4 + 2 * c * c * 4)
+    bytes_accessed = steps * (2 * c * k * itemsize + 2 * c * k * 4 + c * 4 + 2 * c * c * 4)
     return pl.CostEstimate(flops=flops, transcendentals=transcendentals, bytes_accessed=bytes_accessed)
 
 
-def launch_intra(q, k, g, beta, config: KernelConfig):
+def launch_intra(q, k, g, g_lo, beta, config: KernelConfig):
     """(Tinv, Aqk) for every chunk.
 
     Args:
-      q, k: [B, H, Tp, K] input dtype.  g: [B, HV, Tp, K] float32 sub-block-local decay cumsum.
+      q, k: [B, H, Tp, K] input dtype.  g, g_lo: [B, HV, Tp, K] float32 sub-block-local decay
+      cumsum (`layout.local_cumsum`).
       beta: [B, HV, NT, 1, C] float32.
     Returns:
       tinv, aqk: [B, HV, Tp, C] float32.
+      Under `jax.vmap` the mapped axis folds into B (`gla_core.pallas_transforms.fold_vmap`).
     """
+    launch = functools.partial(_launch_intra, config=config)
+    return fold_vmap(launch, (q, k, g, g_lo, beta), in_axes=(0,) * 5, out_axes=0)
+
+
+def _launch_intra(q, k, g, g_lo, beta, *, config: KernelConfig):
     batch, heads, padded_len, key_dim = g.shape
     c = config.blocks.chunk_size
     num_chunks = padded_len // c
@@ -78,6 +87,7 @@ def launch_intra(q, k, g, beta, config: KernelConfig):
                 qk_spec,
                 qk_spec,
                 pl.BlockSpec((None, None, c, key_dim), head_index),
+                pl.BlockSpec((None, None, c, key_dim), head_index),
                 pl.BlockSpec((None, None, None, 1, c), beta_index),
             ],
             out_specs=[out_spec, out_spec],
@@ -88,4 +98,4 @@ def launch_intra(q, k, g, beta, config: KernelConfig):
             ),
             interpret=config.interpret_arg,
             name="kda_intra",
-        )(q, k, g, beta)
+        )(q, k, g, g_lo, beta)

@@ -1,4 +1,4 @@
-"""Backward per-chunk gradient kernel: dq, dk, dv, dbeta and dG of every chunk (parallel grid).
+"""Backward per-chunk gradient kernel: dq, dk, dv, dbeta and dg of every chunk (parallel grid).
 
 Inputs per chunk: the state S before it (recomputed by the state kernel), dS the gradient of
 the state after it and ddelta (both from the reverse kernel), dO, and Tinv = (I + Akk)^-1.
@@ -7,9 +7,11 @@ S_next = exp(G_last) S + (k exp(G_last - G))^T delta, so (q below is scale * q):
   dAqk = tril(dO delta^T)            dTinv = ddelta y^T        dy = Tinv^T ddelta
   dAkk = -strict_tril(Tinv^T dTinv Tinv^T)   (Akk is strictly lower: no diagonal gradient)
   and the gated products Aqk, Akk = beta (k k^T decayed) are differentiated by `chunk_math`.
-dG is the gradient with respect to the within-chunk cumsum G (the kernel reads G in its
-sub-block-local form; `pipeline` maps dG to that form and XLA's cumsum turns it into dg, a
-reverse cumsum), in natural-log units like g itself.
+dg is the gradient with respect to the per-step log decays g themselves: every term is summed
+over exactly the steps its exponent spans (`Decays.gate_grad`, `GatedGrads`). The gradient
+with respect to the cumsum G, reverse-cumsummed into dg, would hold the row and column terms
+of every intra-chunk pair that does not span a step, which cancel exactly: for strong decays
+those terms are ~35x dg, and their rounding swamped dg (and dA_log, which sums dg * gate).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from gla_core.pallas_transforms import fold_vmap
 from gla_kda.pallas import chunk_math as cm
 from gla_kda.pallas.config import KernelConfig, compiler_params
 
@@ -29,6 +32,7 @@ def intra_bwd_kernel(
     k_ref,
     v_ref,
     g_ref,
+    g_lo_ref,
     beta_ref,
     tinv_ref,
     h_ref,
@@ -43,18 +47,18 @@ def intra_bwd_kernel(
     *,
     config: KernelConfig,
 ):
-    """Blocks: q, k, g (sub-block-local decay cumsum) [C, K]; v, ddelta, do [C, V]; beta [1, C];
+    """Blocks: q, k, g, g_lo (sub-block-local decay cumsum, hi and lo parts) [C, K]; v, ddelta, do [C, V]; beta [1, C];
     tinv [C, C]; h, dstate [K, V].
 
-    Outputs (float32): dq, dk, dg [C, K] (dq per value head, already multiplied by scale);
-    dv [C, V]; dbeta [1, C].
+    Outputs (float32): dq, dk, dg [C, K] (dq per value head, already multiplied by scale; dg with
+    respect to the per-step log decays); dv [C, V]; dbeta [1, C].
     """
     sb = cm.SubBlocks(config.blocks.chunk_size, config.blocks.sub_chunk)
     dtype, c = config.mxu_dtype, sb.chunk
     q = q_ref[...].astype(cm.F32) * config.scale
     k = k_ref[...].astype(cm.F32)
     v = v_ref[...].astype(cm.F32)
-    decays = cm.Decays(g_ref[...], sb)
+    decays = cm.Decays(g_ref[...], sb, g_lo_ref[...])
     beta = cm.row_to_column(beta_ref[...])
     tinv = tinv_ref[...]
     state = h_ref[...].astype(cm.F32)
@@ -80,24 +84,26 @@ def intra_bwd_kernel(
     d_akk = cm.dot(cm.dot(tinv, d_tinv, cm.F32, trans_a=True), tinv, cm.F32, trans_b=True)
     d_akk = jnp.where(cm.lower_mask(c, strict=True), -d_akk, 0.0)
 
-    rows_kk, rows_qk = cm.gated_rows([d_akk, d_aqk], k, decays, dtype, config.unroll)
-    cols_kk, cols_qk = cm.gated_cols([(beta * d_akk, k), (d_aqk, q)], decays, dtype, config.unroll)
+    # Akk = beta * P[k] (strict), Aqk = P[q] (incl. the diagonal): W = d_akk with a = beta k, and d_aqk with a = q.
+    grads = cm.gated_grads([(d_akk, beta * k), (d_aqk, q)], k, decays, dtype, config.unroll)
+    (rows_kk, rows_qk), (cols_kk, cols_qk) = grads.rows, grads.cols
     dbeta = dbeta + jnp.sum(k * rows_kk, axis=1, keepdims=True)
-    rows_kk = beta * rows_kk
 
     dq = d_q_decayed * decay + rows_qk
-    dk = d_k_decayed * decay + d_k_to_end * to_end + rows_kk + cols_kk + cols_qk
-    dg = (
-        d_q_decayed * q_decayed
-        + d_k_decayed * k_decayed
-        - d_k_to_end * k_to_end
-        + k * (rows_kk - cols_kk - cols_qk)
-        + q * rows_qk
-    )
-    # G_last also scales the carried state and every k_to_end row.
+    dk = d_k_decayed * decay + d_k_to_end * to_end + beta * rows_kk + cols_kk + cols_qk
+    # q exp(G), k exp(G) depend on the decays up to their step, k exp(G_last - G) on those after it,
+    # and the carried state on all of them.
     state_term = cm.column_to_row(jnp.sum(state * dstate, axis=1, keepdims=True)) * jnp.exp(decays.total)
-    last_row = state_term + jnp.sum(d_k_to_end * k_to_end, axis=0, keepdims=True)
-    dg = dg + jnp.where(cm.iota((c, 1), 0) == c - 1, last_row, 0.0)
+    dg = (
+        decays.gate_grad(
+            after=d_q_decayed * q_decayed + d_k_decayed * k_decayed,
+            before=d_k_to_end * k_to_end,
+            after_block=grads.after_block,
+            before_block=grads.before_block,
+        )
+        + grads.direct
+        + state_term
+    )
 
     dq_ref[...] = dq * config.scale
     dk_ref[...] = dk
@@ -111,7 +117,7 @@ def chunk_index(b, j, t):
 
 
 def qk_index(b, j, t, *, group: int):
-    return (b, jax.lax.div(j, group), t, 0)
+    return (b, jax.lax.div(j, jnp.int32(group)), t, 0)
 
 
 def beta_index(b, j, t):
@@ -120,12 +126,12 @@ def beta_index(b, j, t):
 
 def intra_bwd_cost(batch, heads, num_chunks, c, k, v, s, itemsize):
     steps = batch * heads * num_chunks
-    flops = steps * (2 * c * k * v * 4 + 2 * c * c * v * 4 + 2 * 2 * c * c * c + 4 * 2 * c * c * k + 6 * c * s * k)
+    flops = steps * (2 * c * k * v * 4 + 2 * c * c * v * 4 + 2 * 2 * c * c * c + 8 * 2 * c * c * k + 8 * c * s * k)
     transcendentals = steps * (2 * s + 2 * c // s + 2) * c * k
     bytes_accessed = steps * (
         2 * c * k * itemsize
         + c * v * itemsize * 3
-        + c * k * 4
+        + 2 * c * k * 4
         + c * 4
         + c * c * 4
         + 2 * k * v * itemsize
@@ -134,15 +140,22 @@ def intra_bwd_cost(batch, heads, num_chunks, c, k, v, s, itemsize):
     return pl.CostEstimate(flops=flops, transcendentals=transcendentals, bytes_accessed=bytes_accessed)
 
 
-def launch_intra_bwd(q, k, v, g, beta, tinv, h, dstate, ddelta, do, config: KernelConfig):
+def launch_intra_bwd(q, k, v, g, g_lo, beta, tinv, h, dstate, ddelta, do, config: KernelConfig):
     """Per-chunk gradients.
 
     Args:
-      q, k: [B, H, Tp, K]; v, ddelta, do: [B, HV, Tp, V]; g: [B, HV, Tp, K] float32;
+      q, k: [B, H, Tp, K]; v, ddelta, do: [B, HV, Tp, V]; g, g_lo: [B, HV, Tp, K] float32
+      sub-block-local decay cumsum (`layout.local_cumsum`);
       beta: [B, HV, NT, 1, C]; tinv: [B, HV, Tp, C]; h, dstate: [B, HV, NT*K, V].
     Returns (float32): dq, dk, dg [B, HV, Tp, K] (per value head); dv [B, HV, Tp, V];
       dbeta [B, HV, NT, 1, C].
+      Under `jax.vmap` the mapped axis folds into B (`gla_core.pallas_transforms.fold_vmap`).
     """
+    launch = functools.partial(_launch_intra_bwd, config=config)
+    return fold_vmap(launch, (q, k, v, g, g_lo, beta, tinv, h, dstate, ddelta, do), in_axes=(0,) * 11, out_axes=0)
+
+
+def _launch_intra_bwd(q, k, v, g, g_lo, beta, tinv, h, dstate, ddelta, do, *, config: KernelConfig):
     batch, heads, padded_len, key_dim = g.shape
     value_dim = v.shape[-1]
     c = config.blocks.chunk_size
@@ -161,6 +174,7 @@ def launch_intra_bwd(q, k, v, g, beta, tinv, h, dstate, ddelta, do, config: Kern
                 qk_spec,
                 qk_spec,
                 value_spec,
+                key_spec,
                 key_spec,
                 beta_spec,
                 pl.BlockSpec((None, None, c, c), chunk_index),
@@ -183,4 +197,4 @@ def launch_intra_bwd(q, k, v, g, beta, tinv, h, dstate, ddelta, do, config: Kern
             ),
             interpret=config.interpret_arg,
             name="kda_intra_bwd",
-        )(q, k, v, g, beta, tinv, h, dstate, ddelta, do)
+        )(q, k, v, g, g_lo, beta, tinv, h, dstate, ddelta, do)

@@ -104,28 +104,22 @@ def from_kernel(y, layout: KernelLayout, dim: int):
 def local_cumsum(g, sub_chunk: int):
     """Inclusive cumsum along time of g [B, H, Tp, K] (float32), restarting every `sub_chunk` steps.
 
-    The kernels assemble every within-chunk decay exponent from it (`chunk_math.Decays`).
+    Returns (hi, lo), both [B, H, Tp, K] float32: the cumsum as an unevaluated sum hi + lo,
+    hi the running float32 sum and lo the accumulated rounding error of its additions (TwoSum,
+    exact), so differences of the cumsum stay accurate (`chunk_math.Decays`).
     """
     batch, heads, padded_len, key_dim = g.shape
-    blocks = g.reshape(batch, heads, padded_len // sub_chunk, sub_chunk, key_dim)
-    return jnp.cumsum(blocks, axis=3).reshape(g.shape)
-
-
-def chunk_grad_to_local(dg_chunk, chunk_size: int, sub_chunk: int):
-    """Maps a gradient w.r.t. the within-chunk cumsum G to one w.r.t. the local cumsum L.
-
-    G_i = L_i + sum over the earlier sub-blocks c of its chunk of L_end(c), so the last row of
-    every sub-block also receives the gradient of every row in the later sub-blocks of its chunk.
-    dg_chunk: [B, H, Tp, K] float32.
-    """
-    batch, heads, padded_len, key_dim = dg_chunk.shape
-    nb = chunk_size // sub_chunk
-    blocks = dg_chunk.reshape(batch, heads, padded_len // chunk_size, nb, sub_chunk, key_dim)
-    block_sums = jnp.sum(blocks, axis=4)
-    later = jax.lax.cumsum(block_sums, axis=3, reverse=True) - block_sums
-    # Added at row s - 1 of every sub-block by padding (a scatter would cost index arrays).
-    at_last_row = jnp.pad(later[:, :, :, :, None, :], ((0, 0),) * 4 + ((sub_chunk - 1, 0), (0, 0)))
-    return (blocks + at_last_row).reshape(dg_chunk.shape)
+    steps = jnp.moveaxis(g.reshape(batch, heads, padded_len // sub_chunk, sub_chunk, key_dim), 3, 0)
+    hi = lo = jnp.zeros(steps.shape[1:], g.dtype)
+    his, los = [], []
+    for step in steps:
+        total = hi + step
+        back = total - hi
+        lo = lo + ((hi - (total - back)) + (step - back))
+        hi = total
+        his.append(hi)
+        los.append(lo)
+    return tuple(jnp.stack(parts, axis=3).reshape(g.shape) for parts in (his, los))
 
 
 def beta_blocks(beta, chunk_size: int):

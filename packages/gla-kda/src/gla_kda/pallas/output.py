@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from gla_core.pallas_transforms import fold_vmap
 from gla_kda.pallas import chunk_math as cm
 from gla_kda.pallas.config import KernelConfig, compiler_params
 
@@ -31,7 +32,7 @@ def chunk_index(b, j, t):
 
 
 def qk_index(b, j, t, *, group: int):
-    return (b, jax.lax.div(j, group), t, 0)
+    return (b, jax.lax.div(j, jnp.int32(group)), t, 0)
 
 
 def output_cost(batch, heads, num_chunks, c, k, v, dtype, out_dtype):
@@ -48,9 +49,16 @@ def launch_output(q, g, h, delta, aqk, config: KernelConfig, out_dtype):
     """o [B, HV, Tp, V] in `out_dtype`.
 
     Args:
-      q: [B, H, Tp, K]; g: [B, HV, Tp, K] float32 sub-block-local decay cumsum;
+      q: [B, H, Tp, K]; g: [B, HV, Tp, K] float32 sub-block-local decay cumsum (its hi part: only
+      the within-chunk cumsum G, a sum, is needed);
       h: [B, HV, NT*K, V]; delta: [B, HV, Tp, V]; aqk: [B, HV, Tp, C] float32.
+      Under `jax.vmap` the mapped axis folds into B (`gla_core.pallas_transforms.fold_vmap`).
     """
+    launch = functools.partial(_launch_output, config=config, out_dtype=out_dtype)
+    return fold_vmap(launch, (q, g, h, delta, aqk), in_axes=(0,) * 5, out_axes=0)
+
+
+def _launch_output(q, g, h, delta, aqk, *, config: KernelConfig, out_dtype):
     batch, heads, padded_len, key_dim = g.shape
     value_dim = delta.shape[-1]
     c = config.blocks.chunk_size

@@ -4,10 +4,12 @@ Forward:  intra (Tinv, Aqk) -> state (h per chunk, delta, final states) -> outpu
 Backward: state again (h; nothing but the inputs, Tinv and Aqk is kept from the forward)
           -> reverse state gradient (dS per chunk, ddelta, d initial_state)
           -> per-chunk gradients (dq, dk, dv, dbeta, dG).
-Gradients of q/k are summed over the value heads that share them. The kernels differentiate
-with respect to the within-chunk cumsum G; the backward maps that to the sub-block-local
-cumsum the kernels read. That cumsum, the layout changes and the gate/l2norm prologue stay
-outside, in XLA, where autodiff differentiates them (a cumsum's transpose is a reverse cumsum).
+Every kernel folds a `jax.vmap` axis into its batch axis, and differentiating the backward
+again raises a clear error (`gla_core.pallas_transforms`). Gradients of q/k are summed over
+the value heads that share them. The pipeline takes the
+per-step log decays g; the forward kernels read their sub-block-local cumsum (computed here,
+in XLA), and the backward kernel returns the gradient with respect to g directly. The layout
+changes and the gate/l2norm prologue stay outside, in XLA, where autodiff differentiates them.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from gla_core.pallas_transforms import first_order_only
 from gla_kda.pallas.config import KernelConfig
 from gla_kda.pallas.intra import launch_intra
 from gla_kda.pallas.intra_bwd import launch_intra_bwd
-from gla_kda.pallas.layout import ChunkMeta, chunk_grad_to_local
+from gla_kda.pallas.layout import ChunkMeta, local_cumsum
 from gla_kda.pallas.output import launch_output
 from gla_kda.pallas.state import StateOutputs, launch_state
 from gla_kda.pallas.state_bwd import launch_state_bwd
@@ -35,13 +38,14 @@ class PipelineConfig:
       kernel: the kernels' configuration.
       has_initial_state: an initial state is given.
       output_final_state: return the final state of every sequence.
-      num_states: N, the number of sequences (batch rows, or packed sequences).
+      states_per_row: sequences per batch row, N / B (1, or the packed sequences of the one
+        varlen row).
     """
 
     kernel: KernelConfig
     has_initial_state: bool
     output_final_state: bool
-    num_states: int
+    states_per_row: int
 
 
 def _mask_empty(states, empty):
@@ -50,16 +54,18 @@ def _mask_empty(states, empty):
 
 
 def _forward(config: PipelineConfig, q, k, v, g, beta, h0, meta: ChunkMeta):
+    """Outputs and the residuals (g as its sub-block-local cumsum (hi, lo), Tinv, Aqk)."""
     kernel = config.kernel
-    tinv, aqk = launch_intra(q, k, g, beta, kernel)
+    g, g_lo = local_cumsum(g, kernel.blocks.sub_chunk)
+    tinv, aqk = launch_intra(q, k, g, g_lo, beta, kernel)
     outputs = StateOutputs(
         has_initial_state=config.has_initial_state, emit_delta=True, emit_final_state=config.output_final_state
     )
-    h, delta, ht = launch_state(k, v, g, beta, tinv, h0, meta, kernel, outputs, config.num_states)
+    h, delta, ht = launch_state(k, v, g, g_lo, beta, tinv, h0, meta, kernel, outputs, config.states_per_row)
     o = launch_output(q, g, h, delta, aqk, kernel, v.dtype)
     if ht is not None:
         ht = _mask_empty(ht, meta.empty)
-    return (o, ht), (tinv, aqk)
+    return (o, ht), ((g, g_lo), tinv, aqk)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -67,16 +73,17 @@ def chunk_pipeline(config: PipelineConfig, q, k, v, g, beta, h0, meta: ChunkMeta
     """(o [B, HV, Tp, V], final states [N, HV, K, V] float32 or None) in the kernel layout.
 
     Args:
-      q, k: [B, H, Tp, K]; v: [B, HV, Tp, V]; g: [B, HV, Tp, K] float32 sub-block-local cumsum
-      of the log decay (`layout.local_cumsum`); beta: [B, HV, NT, 1, C] float32; h0: [N, HV, K, V] float32 or None;
+      q, k: [B, H, Tp, K]; v: [B, HV, Tp, V]; g: [B, HV, Tp, K] float32 per-step log decay (the
+      kernels read its sub-block-local cumsum, `layout.local_cumsum`); beta: [B, HV, NT, 1, C]
+      float32; h0: [N, HV, K, V] float32 or None;
       meta: per-chunk metadata (not differentiated).
     """
     return _forward(config, q, k, v, g, beta, h0, meta)[0]
 
 
 def _pipeline_fwd(config, q, k, v, g, beta, h0, meta):
-    outputs, (tinv, aqk) = _forward(config, q, k, v, g, beta, h0, meta)
-    return outputs, (q, k, v, g, beta, h0, meta, tinv, aqk)
+    outputs, (local, tinv, aqk) = _forward(config, q, k, v, g, beta, h0, meta)
+    return outputs, (q, k, v, local, beta, h0, meta, tinv, aqk)
 
 
 def _group_sum(x, group: int, dtype):
@@ -88,28 +95,31 @@ def _group_sum(x, group: int, dtype):
 
 
 def _pipeline_bwd(config, residuals, cotangents):
-    q, k, v, g, beta, h0, meta, tinv, aqk = residuals
+    q, k, v, (g, g_lo), beta, h0, meta, tinv, aqk = residuals
     do, dht = cotangents
     kernel = config.kernel
     recompute = StateOutputs(has_initial_state=config.has_initial_state, emit_delta=False, emit_final_state=False)
-    h, _, _ = launch_state(k, v, g, beta, tinv, h0, meta, kernel, recompute, config.num_states)
+    h, _, _ = launch_state(k, v, g, g_lo, beta, tinv, h0, meta, kernel, recompute, config.states_per_row)
     if dht is not None:
         dht = _mask_empty(dht.astype(jnp.float32), meta.empty)
     dstate, ddelta, dh0 = launch_state_bwd(
-        q, k, g, beta, tinv, aqk, do, dht, meta, kernel, config.has_initial_state, config.num_states
+        q, k, g, g_lo, beta, tinv, aqk, do, dht, meta, kernel, config.has_initial_state, config.states_per_row
     )
-    dq, dk, dv, dbeta, dg = launch_intra_bwd(q, k, v, g, beta, tinv, h, dstate, ddelta, do, kernel)
+    dq, dk, dv, dbeta, dg = launch_intra_bwd(q, k, v, g, g_lo, beta, tinv, h, dstate, ddelta, do, kernel)
     if dh0 is not None:
         dh0 = _mask_empty(dh0, meta.empty).astype(h0.dtype)
     return (
         _group_sum(dq, kernel.group, q.dtype),
         _group_sum(dk, kernel.group, k.dtype),
         dv.astype(v.dtype),
-        chunk_grad_to_local(dg, kernel.blocks.chunk_size, kernel.blocks.sub_chunk),
+        dg,
         dbeta,
         dh0,
         None,
     )
 
 
-chunk_pipeline.defvjp(_pipeline_fwd, _pipeline_bwd)
+chunk_pipeline.defvjp(
+    first_order_only(_pipeline_fwd, implementation="chunk", op="kda", nondiff_argnums=(0,)),
+    first_order_only(_pipeline_bwd, implementation="chunk", op="kda", nondiff_argnums=(0,)),
+)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from gla_core.pallas_transforms import fold_vmap
 from gla_kda.pallas import chunk_math as cm
 from gla_kda.pallas.config import KernelConfig, compiler_params
 
@@ -49,15 +50,15 @@ def advance_state(k, decays: cm.Decays, delta, state, dtype):
 
 
 def state_kernel(first_ref, last_ref, seq_ref, *refs, config: KernelConfig, outputs: StateOutputs):
-    """Blocks: k, g [C, K]; v [C, V]; beta [1, C]; tinv [C, C]; h0 [K, V].
+    """Blocks: k, g, g_lo [C, K]; v [C, V]; beta [1, C]; tinv [C, C]; h0 [K, V].
 
     Outputs: h [K, V] (state before the chunk), delta [C, V], ht [K, V]; scratch state [K, V] f32.
     """
     del seq_ref
     refs = list(refs)
-    k_ref, v_ref, g_ref, beta_ref, tinv_ref = refs[:5]
-    h0_ref = refs[5] if outputs.has_initial_state else None
-    rest = refs[5 + outputs.has_initial_state :]
+    k_ref, v_ref, g_ref, g_lo_ref, beta_ref, tinv_ref = refs[:6]
+    h0_ref = refs[6] if outputs.has_initial_state else None
+    rest = refs[6 + outputs.has_initial_state :]
     h_ref = rest.pop(0)
     delta_ref = rest.pop(0) if outputs.emit_delta else None
     ht_ref = rest.pop(0) if outputs.emit_final_state else None
@@ -74,7 +75,7 @@ def state_kernel(first_ref, last_ref, seq_ref, *refs, config: KernelConfig, outp
     state = state_ref[...]
     h_ref[...] = state.astype(h_ref.dtype)
     k = k_ref[...].astype(cm.F32)
-    decays = cm.Decays(g_ref[...], cm.SubBlocks(config.blocks.chunk_size, config.blocks.sub_chunk))
+    decays = cm.Decays(g_ref[...], cm.SubBlocks(config.blocks.chunk_size, config.blocks.sub_chunk), g_lo_ref[...])
     beta = cm.row_to_column(beta_ref[...])
     delta = wy_delta(k, v_ref[...].astype(cm.F32), decays, beta, tinv_ref[...], state, config.mxu_dtype)
     if delta_ref is not None:
@@ -93,50 +94,64 @@ def chunk_index(b, j, t, *_):
 
 
 def qk_index(b, j, t, *_, group: int):
-    return (b, jax.lax.div(j, group), t, 0)
+    return (b, jax.lax.div(j, jnp.int32(group)), t, 0)
 
 
 def beta_index(b, j, t, *_):
     return (b, j, t, 0, 0)
 
 
-def sequence_index(b, j, t, first_ref, last_ref, seq_ref):
-    """Initial/final state block of the sequence owning chunk t (batch row b when not varlen)."""
-    return (b + seq_ref[t], j, 0, 0)
+def sequence_index(b, j, t, first_ref, last_ref, seq_ref, *, states_per_row: int):
+    """Initial/final state block of the sequence owning chunk t: sequence seq[t] of batch row b."""
+    return (b * states_per_row + seq_ref[t], j, 0, 0)
 
 
 def state_cost(batch, heads, num_chunks, c, k, v, itemsize):
     steps = batch * heads * num_chunks
     flops = steps * (2 * c * k * v * 3 + 2 * c * c * v + k * k)
     transcendentals = steps * (2 * c * k + k)
-    bytes_accessed = steps * ((c * k + c * v) * itemsize + c * k * 4 + c * 4 + c * c * 4 + (k * v + c * v) * itemsize)
+    bytes_accessed = steps * (
+        (c * k + c * v) * itemsize + 2 * c * k * 4 + c * 4 + c * c * 4 + (k * v + c * v) * itemsize
+    )
     return pl.CostEstimate(flops=flops, transcendentals=transcendentals, bytes_accessed=bytes_accessed)
 
 
-def launch_state(k, v, g, beta, tinv, h0, meta, config: KernelConfig, outputs: StateOutputs, num_states: int):
+def launch_state(k, v, g, g_lo, beta, tinv, h0, meta, config: KernelConfig, outputs: StateOutputs, states_per_row: int):
     """Runs the recurrence over every chunk.
 
     Args:
-      k: [B, H, Tp, K]; v: [B, HV, Tp, V] (input dtype); g: [B, HV, Tp, K] float32 local cumsum;
+      k: [B, H, Tp, K]; v: [B, HV, Tp, V] (input dtype); g, g_lo: [B, HV, Tp, K] float32 local
+      cumsum (`layout.local_cumsum`);
       beta: [B, HV, NT, 1, C] float32; tinv: [B, HV, Tp, C] float32;
       h0: [N, HV, K, V] float32 or None; meta: `ChunkMeta` (first, last, seq int32 [NT]).
-      num_states: N (B, or the number of packed sequences).
+      states_per_row: N / B (1, or the number of packed sequences of the one varlen row).
     Returns:
       (h [B, HV, NT*K, V], delta [B, HV, Tp, V] or None, ht [N, HV, K, V] float32 or None).
+      Under `jax.vmap` the mapped axis folds into B and N (`gla_core.pallas_transforms.fold_vmap`).
     """
+    launch = functools.partial(_launch_state, config=config, outputs=outputs, states_per_row=states_per_row)
+    args = (k, v, g, g_lo, beta, tinv, h0, meta.first, meta.last, meta.seq)
+    return fold_vmap(launch, args, in_axes=(0,) * 7 + (None,) * 3, out_axes=0)
+
+
+def _launch_state(k, v, g, g_lo, beta, tinv, h0, first, last, seq, *, config, outputs, states_per_row):
     batch, heads, padded_len, key_dim = g.shape
     value_dim = v.shape[-1]
     c = config.blocks.chunk_size
     num_chunks = padded_len // c
-    state_spec = pl.BlockSpec((None, None, key_dim, value_dim), sequence_index)
+    num_states = batch * states_per_row
+    state_spec = pl.BlockSpec(
+        (None, None, key_dim, value_dim), functools.partial(sequence_index, states_per_row=states_per_row)
+    )
     in_specs = [
         pl.BlockSpec((None, None, c, key_dim), functools.partial(qk_index, group=config.group)),
         pl.BlockSpec((None, None, c, value_dim), chunk_index),
         pl.BlockSpec((None, None, c, key_dim), chunk_index),
+        pl.BlockSpec((None, None, c, key_dim), chunk_index),
         pl.BlockSpec((None, None, None, 1, c), beta_index),
         pl.BlockSpec((None, None, c, c), chunk_index),
     ]
-    args = [k, v, g, beta, tinv]
+    args = [k, v, g, g_lo, beta, tinv]
     if outputs.has_initial_state:
         in_specs.append(state_spec)
         args.append(h0)
@@ -164,7 +179,7 @@ def launch_state(k, v, g, beta, tinv, h0, meta, config: KernelConfig, outputs: S
             cost_estimate=state_cost(batch, heads, num_chunks, c, key_dim, value_dim, config.mxu_dtype.itemsize),
             interpret=config.interpret_arg,
             name="kda_state",
-        )(meta.first, meta.last, meta.seq, *args)
+        )(first, last, seq, *args)
     results = list(results)
     h = results.pop(0)
     delta = results.pop(0) if outputs.emit_delta else None

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from gla_core.pallas_transforms import fold_vmap
 from gla_kda.pallas import chunk_math as cm
 from gla_kda.pallas.config import KernelConfig, compiler_params
 
@@ -32,16 +33,16 @@ class StateGradOptions:
 
 
 def state_bwd_kernel(first_ref, last_ref, seq_ref, *refs, config: KernelConfig, options: StateGradOptions):
-    """Blocks: q, k, g [C, K]; beta [1, C]; tinv, aqk [C, C]; do [C, V]; dht [K, V].
+    """Blocks: q, k, g, g_lo [C, K]; beta [1, C]; tinv, aqk [C, C]; do [C, V]; dht [K, V].
 
     Outputs: dstate [K, V] (gradient of the state after the chunk), ddelta [C, V], dh0 [K, V];
     scratch dS [K, V] float32.
     """
     del seq_ref
     refs = list(refs)
-    q_ref, k_ref, g_ref, beta_ref, tinv_ref, aqk_ref, do_ref = refs[:7]
-    dht_ref = refs[7] if options.has_final_cotangent else None
-    rest = refs[7 + options.has_final_cotangent :]
+    q_ref, k_ref, g_ref, g_lo_ref, beta_ref, tinv_ref, aqk_ref, do_ref = refs[:8]
+    dht_ref = refs[8] if options.has_final_cotangent else None
+    rest = refs[8 + options.has_final_cotangent :]
     dstate_ref, ddelta_ref = rest[:2]
     dh0_ref = rest[2] if options.emit_initial_grad else None
     grad_ref = rest[-1]
@@ -63,7 +64,7 @@ def state_bwd_kernel(first_ref, last_ref, seq_ref, *refs, config: KernelConfig, 
     dstate_ref[...] = grad.astype(dstate_ref.dtype)
     q = q_ref[...].astype(cm.F32) * config.scale
     k = k_ref[...].astype(cm.F32)
-    decays = cm.Decays(g_ref[...], cm.SubBlocks(config.blocks.chunk_size, config.blocks.sub_chunk))
+    decays = cm.Decays(g_ref[...], cm.SubBlocks(config.blocks.chunk_size, config.blocks.sub_chunk), g_lo_ref[...])
     beta = cm.row_to_column(beta_ref[...])
     do = do_ref[...]
     decay = jnp.exp(decays.cum)
@@ -88,55 +89,71 @@ def reversed_index(b, j, t, first_ref, last_ref, seq_ref):
 
 
 def reversed_qk_index(b, j, t, first_ref, last_ref, seq_ref, *, group: int):
-    return (b, jax.lax.div(j, group), first_ref.shape[0] - 1 - t, 0)
+    return (b, jax.lax.div(j, jnp.int32(group)), first_ref.shape[0] - 1 - t, 0)
 
 
 def reversed_beta_index(b, j, t, first_ref, last_ref, seq_ref):
     return (b, j, first_ref.shape[0] - 1 - t, 0, 0)
 
 
-def reversed_sequence_index(b, j, t, first_ref, last_ref, seq_ref):
-    return (b + seq_ref[first_ref.shape[0] - 1 - t], j, 0, 0)
+def reversed_sequence_index(b, j, t, first_ref, last_ref, seq_ref, *, states_per_row: int):
+    return (b * states_per_row + seq_ref[first_ref.shape[0] - 1 - t], j, 0, 0)
 
 
 def state_bwd_cost(batch, heads, num_chunks, c, k, v, itemsize):
     steps = batch * heads * num_chunks
     flops = steps * (2 * c * c * v + 2 * c * k * v * 3 + 2 * c * c * k)
     bytes_accessed = steps * (
-        2 * c * k * itemsize + c * k * 4 + c * 4 + 2 * c * c * 4 + c * v * itemsize + (k * v + c * v) * itemsize
+        2 * c * k * itemsize + 2 * c * k * 4 + c * 4 + 2 * c * c * 4 + c * v * itemsize + (k * v + c * v) * itemsize
     )
     return pl.CostEstimate(flops=flops, transcendentals=steps * (2 * c * k + k), bytes_accessed=bytes_accessed)
 
 
 def launch_state_bwd(
-    q, k, g, beta, tinv, aqk, do, dht, meta, config: KernelConfig, emit_initial_grad: bool, num_states: int
+    q, k, g, g_lo, beta, tinv, aqk, do, dht, meta, config: KernelConfig, emit_initial_grad: bool, states_per_row: int
 ):
     """Reverse-time state gradients.
 
     Args:
-      q, k: [B, H, Tp, K]; g: [B, HV, Tp, K] float32 sub-block-local decay cumsum; beta: [B, HV, NT, 1, C] float32;
+      q, k: [B, H, Tp, K]; g, g_lo: [B, HV, Tp, K] float32 sub-block-local decay cumsum
+      (`layout.local_cumsum`); beta: [B, HV, NT, 1, C] float32;
       tinv, aqk: [B, HV, Tp, C] float32; do: [B, HV, Tp, V]; dht: [N, HV, K, V] float32 or None;
-      meta: `ChunkMeta`. num_states: N.
+      meta: `ChunkMeta`. states_per_row: N / B.
     Returns:
       (dstate [B, HV, NT*K, V], ddelta [B, HV, Tp, V], dh0 [N, HV, K, V] float32 or None).
+      Under `jax.vmap` the mapped axis folds into B and N (`gla_core.pallas_transforms.fold_vmap`).
     """
+    launch = functools.partial(
+        _launch_state_bwd, config=config, emit_initial_grad=emit_initial_grad, states_per_row=states_per_row
+    )
+    args = (q, k, g, g_lo, beta, tinv, aqk, do, dht, meta.first, meta.last, meta.seq)
+    return fold_vmap(launch, args, in_axes=(0,) * 9 + (None,) * 3, out_axes=0)
+
+
+def _launch_state_bwd(
+    q, k, g, g_lo, beta, tinv, aqk, do, dht, first, last, seq, *, config, emit_initial_grad, states_per_row
+):
     batch, heads, padded_len, key_dim = g.shape
     value_dim = do.shape[-1]
     c = config.blocks.chunk_size
     num_chunks = padded_len // c
+    num_states = batch * states_per_row
     options = StateGradOptions(has_final_cotangent=dht is not None, emit_initial_grad=emit_initial_grad)
     qk_spec = pl.BlockSpec((None, None, c, key_dim), functools.partial(reversed_qk_index, group=config.group))
-    state_spec = pl.BlockSpec((None, None, key_dim, value_dim), reversed_sequence_index)
+    state_spec = pl.BlockSpec(
+        (None, None, key_dim, value_dim), functools.partial(reversed_sequence_index, states_per_row=states_per_row)
+    )
     in_specs = [
         qk_spec,
         qk_spec,
+        pl.BlockSpec((None, None, c, key_dim), reversed_index),
         pl.BlockSpec((None, None, c, key_dim), reversed_index),
         pl.BlockSpec((None, None, None, 1, c), reversed_beta_index),
         pl.BlockSpec((None, None, c, c), reversed_index),
         pl.BlockSpec((None, None, c, c), reversed_index),
         pl.BlockSpec((None, None, c, value_dim), reversed_index),
     ]
-    args = [q, k, g, beta, tinv, aqk, do]
+    args = [q, k, g, g_lo, beta, tinv, aqk, do]
     if dht is not None:
         in_specs.append(state_spec)
         args.append(dht)
@@ -167,7 +184,7 @@ def launch_state_bwd(
             cost_estimate=state_bwd_cost(batch, heads, num_chunks, c, key_dim, value_dim, config.mxu_dtype.itemsize),
             interpret=config.interpret_arg,
             name="kda_state_bwd",
-        )(meta.first, meta.last, meta.seq, *args)
+        )(first, last, seq, *args)
     dstate, ddelta = results[0], results[1]
     dh0 = results[2] if emit_initial_grad else None
     return dstate, ddelta, dh0

@@ -1,0 +1,108 @@
+"""Non-finite inputs reach exactly the outputs the recurrence lets them reach, in the chunked forms.
+
+The chunked forms (`xla`, `chunk`) mix the steps of a chunk in matmuls: a triangular matrix
+times a tensor with a NaN in a later row gives 0 * NaN = NaN in the earlier rows too, so a NaN
+or Inf at step t would reach outputs before t. Instead, the non-finite inputs are replaced by
+zeros before the chunked computation (`NonFiniteGuard.build`), and afterwards the outputs the
+token-by-token recurrence would make non-finite are set to NaN (`NonFiniteGuard.apply`).
+
+Which outputs those are follows from the recurrence (per sequence and value head, S [K, V]):
+    S <- diag(exp(g_t)) S;  S <- S + beta_t k_t (v_t - S^T k_t)^T;  o_t = q_t^T S
+  - a non-finite k_t, g_t (NaN or +inf; -inf is a hard reset, see `inputs.floor_log_decay`) or
+    beta_t reaches every column of S from step t on: o_u for u >= t and the final state;
+  - a non-finite v_t[c] only reaches column c of S (the columns evolve independently);
+  - a non-finite column c of the initial state reaches column c from the sequence's first step;
+  - a non-finite q_t only reaches o_t.
+Nothing crosses into another sequence, batch row or value head (q/k heads reach the value heads
+that read them).
+
+Poisoned outputs are multiplied by NaN (not overwritten), so the backward carries NaN into the
+gradients of the poisoned sequence and head as the recurrence's own backward would, and the
+replaced inputs pass their cotangent through unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from gla_kda.inputs import expand_value_heads
+
+_NO_STEP = jnp.iinfo(jnp.int32).max
+
+
+@jax.custom_jvp
+def zero_nonfinite(x):
+    """x with NaN and +-inf entries replaced by 0; the gradient passes through unchanged."""
+    return jnp.where(jnp.isfinite(x), x, jnp.zeros((), x.dtype))
+
+
+@zero_nonfinite.defjvp
+def _zero_nonfinite_jvp(primals, tangents):
+    (x,), (tangent,) = primals, tangents
+    return zero_nonfinite(x), tangent
+
+
+def _any_nonfinite(x, axis=-1):
+    return jnp.any(~jnp.isfinite(x), axis=axis)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NonFiniteGuard:
+    """Where the recurrence would produce non-finite outputs from non-finite inputs.
+
+    output: [B, T, HV, V] bool, o[b, t, j, c] is non-finite.
+    final: [N, HV, 1, V] bool, column c of sequence n's final state is non-finite.
+    """
+
+    output: jax.Array
+    final: jax.Array
+
+    @classmethod
+    def build(cls, q, k, v, g, beta, initial_state=None, cu_seqlens=None):
+        """The guard of one call, and its inputs with every non-finite entry replaced by 0.
+
+        Args:
+          q, k: [B, T, H, K]; v: [B, T, HV, V]; g: [B, T, HV, K] log decay (floored);
+          beta: [B, T, HV]; initial_state: [N, HV, K, V] or None; cu_seqlens: [N+1] int32 or None.
+
+        Returns:
+          (guard, (q, k, v, g, beta, initial_state)) with the inputs made finite.
+        """
+        _, seq_len, heads, _ = v.shape
+        steps = jnp.arange(seq_len, dtype=jnp.int32)[None, :, None, None]  # [1, T, 1, 1]
+        whole_state = (
+            expand_value_heads(_any_nonfinite(k)[..., None], heads)[..., 0] | _any_nonfinite(g) | ~jnp.isfinite(beta)
+        )  # [B, T, HV]
+        reaches_state = whole_state[..., None] | ~jnp.isfinite(v)  # [B, T, HV, V]
+        first = jnp.where(reaches_state, steps, _NO_STEP)
+        if cu_seqlens is None:
+            first_bad = jnp.min(first, axis=1)  # [N = B, HV, V]
+            sequence = None
+        else:
+            sequence = jnp.clip(jnp.searchsorted(cu_seqlens, steps[0, :, 0, 0], side="right") - 1, 0)  # [T]
+            first_bad = jax.ops.segment_min(first[0], sequence, num_segments=cu_seqlens.shape[0] - 1)  # [N, HV, V]
+
+        def per_step(x):
+            """[N, ...] per sequence -> [B, T or 1, ...] per step."""
+            return x[:, None] if sequence is None else x[sequence][None]
+
+        if initial_state is None:
+            bad_initial = jnp.zeros(first_bad.shape, bool)
+        else:
+            bad_initial = _any_nonfinite(initial_state, axis=2)  # [N, HV, V]
+        state = (steps >= per_step(first_bad)) | per_step(bad_initial)  # [B, T, HV, V]
+        bad_query = expand_value_heads(_any_nonfinite(q)[..., None], heads)  # [B, T, HV, 1]
+        guard = cls(output=state | bad_query, final=(bad_initial | (first_bad < _NO_STEP))[:, :, None, :])
+        clean = (q, k, v, g, beta, initial_state)
+        return guard, tuple(None if x is None else zero_nonfinite(x) for x in clean)
+
+    def apply(self, o, final_state=None):
+        """NaN where the recurrence is non-finite: o [B, T, HV, V], final_state [N, HV, K, V] or None."""
+        o = o * jnp.where(self.output, jnp.nan, 1.0).astype(o.dtype)
+        if final_state is not None:
+            final_state = final_state * jnp.where(self.final, jnp.nan, 1.0).astype(final_state.dtype)
+        return o, final_state
