@@ -56,13 +56,13 @@ def test_gate_extreme_inputs_match_oracle(jitted, lower_bound):
 
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "lower_bound"])
 def test_gate_float64_computes_in_float64(lower_bound):
-    """With x64 on, float64 inputs and output_dtype=float64: float64-exact (TOLERANCES["float64"])."""
+    """With x64 on, float64 inputs (and the default output_dtype): float64-exact (TOLERANCES["float64"])."""
     with jax.enable_x64(True):
         case = make_case("kda_gate", seq_len=20, num_heads=2, key_dim=16, lower_bound=lower_bound)
         inputs = {name: jnp.asarray(np.asarray(x), jnp.float64) for name, x in case.inputs.items()}
         case = dataclasses.replace(case, inputs=inputs, label=case.label.replace("float32", "float64"))
         fn = jax.jit(
-            lambda **kw: gla_core.dispatch("kda_gate", impl="xla", output_dtype=jnp.float64, **kw),
+            lambda **kw: gla_core.dispatch("kda_gate", impl="xla", **kw),  # default output_dtype: float64 here
             static_argnames="lower_bound",
         )
         check_against_oracle(fn, case)

@@ -78,7 +78,7 @@ SIGNATURES: MappingProxyType = MappingProxyType(
             A_log=None,
             dt_bias=None,
             lower_bound=None,
-            output_dtype="float32",
+            output_dtype=None,
         ),
     }
 )

@@ -322,6 +322,8 @@ def _validate_kda_gate(args, backend, interpret):
     batch, seq_len, num_value_heads, key_dim = _require_rank("g", g, 4, "[B, T, HV, K]")
     _require_float("g", g)
     _validate_gate_params("kda_gate", args, num_value_heads, key_dim)
+    if args["output_dtype"] is None:  # float32, as FLA's; float64 inputs stay float64
+        args["output_dtype"] = jnp.float64 if g.dtype == jnp.float64 else jnp.float32
     try:
         output_dtype = jnp.dtype(args["output_dtype"])
     except TypeError as error:

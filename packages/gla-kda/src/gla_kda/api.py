@@ -6,8 +6,6 @@ arguments, errors and gradients are those of the op `kda` / `kda_gate`.
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
 import gla_core
 from gla_core.dispatch import first_accepting
 
@@ -148,7 +146,7 @@ def fused_recurrent_kda(
     )
 
 
-def fused_kda_gate(g, A_log, dt_bias=None, lower_bound=None, output_dtype=jnp.float32):
+def fused_kda_gate(g, A_log, dt_bias=None, lower_bound=None, output_dtype=None):
     """The KDA log decay computed from a raw gate input (op kda_gate, implementation "xla").
 
     `-exp(A_log) * softplus(g + dt_bias)`, or `lower_bound * sigmoid(exp(A_log) * (g + dt_bias))`
@@ -159,7 +157,7 @@ def fused_kda_gate(g, A_log, dt_bias=None, lower_bound=None, output_dtype=jnp.fl
       A_log: [HV] log decay rate per value head.
       dt_bias: [HV * K] optional bias.
       lower_bound: optional negative float.
-      output_dtype: dtype of the result (default float32).
+      output_dtype: dtype of the result (default: float32, or float64 for float64 g).
 
     Returns:
       [B, T, HV, K] log decay (<= 0) in `output_dtype`.
