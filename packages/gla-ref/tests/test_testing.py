@@ -34,9 +34,19 @@ def test_relative_error_values():
     assert relative_error(x, ref) == 0.25  # 0.5 / max|ref| = 0.5 / 2
     assert relative_error(np.zeros(3), np.zeros(3)) == 0.0
     assert relative_error(np.zeros((0, 4)), np.zeros((0, 4))) == 0.0
-    assert relative_error(np.ones(3), np.zeros(3)) == math.inf
+    assert relative_error(np.ones(3), np.zeros(3)) >= 1e299  # measured against float64's resolution floor
+    assert relative_error(np.ones(3, np.int32), np.zeros(3)) == math.inf
     assert relative_error(np.array([1.0, np.nan]), np.ones(2)) == math.inf
     assert relative_error(np.array([1.0, np.inf]), np.ones(2)) == math.inf
+
+
+def test_relative_error_of_values_below_float32_resolution_uses_the_floor():
+    """A float32 gradient of 0 where the float64 one is 7e-33 is not a 100% error: float32 cannot
+    resolve such values (TESTING.RESOLUTION_FLOOR), while O(1) errors still are."""
+    tiny = np.array([7e-33, -3e-34])
+    assert relative_error(np.zeros(2, np.float32), tiny) < 1e-2
+    assert relative_error(np.zeros(2, np.float64), tiny) == 1.0
+    assert relative_error(np.array([1.0, 0.0], np.float32), np.array([2.0, 0.0])) == 0.5
 
 
 def test_relative_error_computes_in_float64():

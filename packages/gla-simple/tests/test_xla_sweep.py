@@ -91,3 +91,31 @@ def test_gradients_with_an_unused_final_state(impl):
             expected = _grads_of_o_only(case, "reference", jnp.float64)
         for grad_name, got, want in zip(("dq", "dk", "dv"), grads, expected, strict=True):
             testing.assert_close(grad_name, got, want, TOL.grad, label=f"{case.label} {impl} o-only")
+
+
+# Shapes that exercise single-chunk, single-sub-chunk (chunk 16) and multi-sub-chunk layouts.
+HLO_SHAPES = [(1, 64, 1, 64, 64, 64), (1, 99, 3, 179, 8, 16), (2, 37, 2, 32, 16, 32), (1, 1, 1, 8, 8, 16)]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_no_dot_reads_a_broadcast_scalar(impl):
+    """The XLA:CPU miscompile's pattern is absent from every compiled program (forward alone,
+    forward + VJP), with and without an initial state, whatever ran before."""
+    for index, shape in enumerate(HLO_SHAPES):
+        for name in GATES:
+            for initial_state in (False, True):
+                case = _case(name, shape, index, initial_state=initial_state, output_final_state=True)
+                fn = _dispatcher(impl, case.op)
+                static = {n: x for n, x in case.options.items() if n != "cu_seqlens"}
+
+                def forward(inputs, fn=fn, static=static):
+                    return fn(**inputs, **static)
+
+                def training(inputs, forward=forward):
+                    out, vjp = jax.vjp(forward, inputs)
+                    return vjp(jax.tree.map(jnp.ones_like, out))
+
+                for program in (forward, training):
+                    hlo = jax.jit(program).lower(case.inputs).compile().as_text()
+                    found = testing.dots_on_broadcast_scalars(hlo)
+                    assert not found, f"{case.label} {impl} {program.__name__}: {found}"

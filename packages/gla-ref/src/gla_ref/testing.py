@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import re
 from typing import Any
 
 import jax
@@ -159,12 +160,25 @@ def _as_float64(x) -> np.ndarray:
     return np.asarray(jax.device_get(x)).astype(np.float64)
 
 
-def relative_error(x, ref) -> float:
-    """`max|x - ref| / max|ref|` in float64.
+# Below these magnitudes a dtype no longer resolves values with its full precision (products of
+# O(1) numbers with them underflow): a tensor whose reference is smaller is compared against this
+# scale instead of its own, so e.g. a gradient of 7e-33 computed as 0 in float32 is not "100% off".
+RESOLUTION_FLOOR = {"float64": 1e-300, "float32": 1e-30, "bfloat16": 1e-30, "float16": 1e-30}
+
+
+def _resolution_floor(x) -> float:
+    dtype = getattr(x, "dtype", None)
+    return RESOLUTION_FLOOR.get(np.dtype(dtype).name if dtype is not None else "", 0.0)
+
+
+def relative_error(x, ref, floor: float | None = None) -> float:
+    """`max|x - ref| / max(max|ref|, floor)` in float64; `floor` defaults to `RESOLUTION_FLOOR` of
+    x's dtype (0 for other inputs).
 
     0 when both are identical (also for an all-zero or empty `ref`), inf when `ref` is all
-    zeros but `x` is not, or when `x` has a NaN or an infinity.
+    zeros but `x` is not (and the floor is 0), or when `x` has a NaN or an infinity.
     """
+    floor = _resolution_floor(x) if floor is None else floor
     x, ref = _as_float64(x), _as_float64(ref)
     if x.shape != ref.shape:
         raise ValueError(f"relative_error: shapes differ, got {x.shape} and reference {ref.shape}")
@@ -173,7 +187,7 @@ def relative_error(x, ref) -> float:
     if not np.isfinite(x).all():
         return float("inf")
     diff = float(np.max(np.abs(x - ref)))
-    scale = float(np.max(np.abs(ref)))
+    scale = max(float(np.max(np.abs(ref))), floor)
     if diff == 0.0:
         return 0.0
     if scale == 0.0:
@@ -181,10 +195,10 @@ def relative_error(x, ref) -> float:
     return diff / scale
 
 
-def describe_mismatch(name: str, x, ref, tol: float) -> str:
+def describe_mismatch(name: str, x, ref, tol: float, floor: float | None = None) -> str:
     """One line: tensor name, relative error vs tolerance, and the worst element with both values."""
     x64, ref64 = _as_float64(x), _as_float64(ref)
-    error = relative_error(x64, ref64)
+    error = relative_error(x64, ref64, _resolution_floor(x) if floor is None else floor)
     line = f"{name}: relative error {error:.3e} > tol {tol:.1e} (shape {x64.shape}, max|ref| {np.abs(ref64).max():.4g})"
     if x64.size == 0:
         return line
@@ -457,10 +471,23 @@ def _outputs_tuple(op: str, result) -> tuple:
     return (o, final_state)
 
 
+def _output_dtype(case: Case, name: str):
+    """The dtype an implementation returns output `name` in: o in v's dtype, states in float32
+    (float64 for float64 cases), the kda_gate gate in float32 (float64 for float64 g)."""
+    wide = jnp.float64 if case.dtype == jnp.float64 else jnp.float32
+    return case.inputs["v"].dtype if name == "o" else wide
+
+
 def cotangents(case: Case, shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, np.ndarray]:
-    """Seeded N(0, 1) float64 cotangents for each output name of `case` with the given shapes."""
+    """Seeded N(0, 1) cotangents (as float64 arrays) for each output name of `case` with the given
+    shapes, rounded to the dtype the implementation returns that output in: the implementation
+    and the oracle then differentiate against the same numbers, as with the inputs."""
     rng = np.random.default_rng(seed)
-    return {name: rng.standard_normal(size=shapes[name]) for name in case.output_names}
+    rounded = {}
+    for name in case.output_names:
+        values = jnp.asarray(rng.standard_normal(size=shapes[name]), _output_dtype(case, name))
+        rounded[name] = np.asarray(values).astype(np.float64)
+    return rounded
 
 
 def _output_shapes(case: Case) -> dict[str, tuple[int, ...]]:
@@ -595,7 +622,8 @@ def _compare(fn, case: Case, cotangent_seed: int):
     outputs, grads = _run_fn(fn, case, cotangent_seed)
     pairs = {n: (outputs[n], reference.outputs[n]) for n in reference.outputs}
     pairs.update({n: (grads[n], reference.grads[n]) for n in reference.grads})
-    errors = {n: relative_error(x, ref) for n, (x, ref) in pairs.items()}
+    floor = RESOLUTION_FLOOR[case.dtype.name]  # the implementation's outputs were cast up to float64
+    errors = {n: relative_error(x, ref, floor) for n, (x, ref) in pairs.items()}
     return errors, pairs
 
 
@@ -635,7 +663,7 @@ def check_against_oracle(fn, case: Case, tolerance: Tolerance | float | None = N
     for name, error in errors.items():
         tol = tolerance.output if name in case.output_names else tolerance.grad
         if not error <= tol:
-            failures.append(describe_mismatch(name, *pairs[name], tol))
+            failures.append(describe_mismatch(name, *pairs[name], tol, RESOLUTION_FLOOR[case.dtype.name]))
         else:
             record_error(case.label, name, error, tol)
     if failures:
@@ -711,3 +739,28 @@ def vmapped_against_oracle(fn, cases: list[Case], shared: set[str] = frozenset()
                 assert_close(name, value[i], reference.outputs[name], tolerance.output, label=label)
         for name in case.differentiable:
             assert_close("d" + name, grads[name][i], reference.grads["d" + name], tolerance.grad, label=label)
+
+
+# --------------------------------------------------------------------------- XLA:CPU miscompile guard
+
+
+def dots_on_broadcast_scalars(hlo_text: str) -> list[str]:
+    """The dots of a compiled XLA:CPU program that read a broadcast scalar inside a fused
+    computation that also reduces.
+
+    XLA:CPU in jaxlib 0.10.2 miscompiles exactly that in its YNNPACK library fusions (the dot
+    reads uninitialised memory: `jnp.sum(x, -1, keepdims=True) + x @ jnp.zeros((64, 64))` under
+    `jax.jit` is wrong in about half the runs). The garbage depends on what ran before, so tests
+    look for the pattern in the compiled HLO (`jax.jit(f).lower(...).compile().as_text()`)
+    instead of hoping to see wrong numbers. Returns one line per offending dot.
+    """
+    found = []
+    for computation in re.split(r"\n(?=%\S+ \()", hlo_text):
+        if " reduce(" not in computation:
+            continue
+        scalars = set(re.findall(r"(%[\w.\-]+) = \S+ broadcast\(%[\w.\-]+\), dimensions=\{\}", computation))
+        for line in computation.splitlines():
+            match = re.search(r" dot\((%[\w.\-]+), (%[\w.\-]+)\)", line)
+            if match and set(match.groups()) & scalars:
+                found.append(line.strip()[:200])
+    return found

@@ -143,38 +143,66 @@ def _diagonal(x: jax.Array) -> jax.Array:
     return jnp.diagonal(x, axis1=-2, axis2=-1)
 
 
-def _vector_scores(q, k, g):
+def _earlier_parts(q, k, g):
+    """Row factors, column-masked keys and the column factors of sub-chunks 1..S-1 (sub-chunk 0 has
+    no earlier columns), or None when the chunk is a single sub-chunk.
+
+    Sub-chunk 0 is left out rather than masked to zero: a dot against an operand XLA can fold to a
+    constant zero is the XLA:CPU miscompile described in `gla_simple.chunked`.
+    """
     rows, chunk, keys = q.shape
     size = _sub_chunk(chunk)
     count = chunk // size
-    row, column, within = _vector_factors(g)
-    q_rows = q.reshape(rows, count, size, keys) * row
-    k_columns = jnp.where(_earlier_columns(chunk, size), k[:, None, :, :] * column, 0.0)
-    earlier = einsum("msik,msjk->msij", q_rows, k_columns).reshape(rows, chunk, chunk)
+    if count == 1:
+        return None
+    row, column, _ = _vector_factors(g)
+    earlier_columns = _earlier_columns(chunk, size)[1:]
+    q_rows = q.reshape(rows, count, size, keys)[:, 1:] * row[:, 1:]  # [M, S-1, c, K]
+    k_columns = jnp.where(earlier_columns, k[:, None, :, :] * column[:, 1:], 0.0)  # [M, S-1, C, K]
+    return q_rows, k_columns, column[:, 1:], earlier_columns, row[:, 1:]
+
+
+def _with_first_sub_chunk_zero(x: jax.Array) -> jax.Array:
+    """[M, S-1, ...] for sub-chunks 1..S-1 -> [M, S, ...] with zeros for sub-chunk 0."""
+    return jnp.concatenate([jnp.zeros_like(x[:, :1]), x], axis=1)
+
+
+def _vector_scores(q, k, g):
+    rows, chunk, keys = q.shape
+    size = _sub_chunk(chunk)
+    _, _, within = _vector_factors(g)
     q_flat, k_flat = q.reshape(-1, size, keys), k.reshape(-1, size, keys)
     strictly_lower = lower_triangle(size, strict=True)[:, :, None]
     strict = jnp.sum(jnp.where(strictly_lower, q_flat[:, :, None, :] * k_flat[:, None, :, :] * within, 0.0), axis=-1)
     diagonal = jnp.sum(q * k, axis=-1)  # [M, C]
     on_diagonal = jnp.where(jnp.eye(chunk, dtype=bool), diagonal[:, :, None], 0.0)
-    return earlier + _block_diagonal(strict, rows) + on_diagonal
+    scores = _block_diagonal(strict, rows) + on_diagonal
+    parts = _earlier_parts(q, k, g)
+    if parts is not None:
+        q_rows, k_columns = parts[:2]
+        earlier = _with_first_sub_chunk_zero(einsum("msik,msjk->msij", q_rows, k_columns))
+        scores = scores + earlier.reshape(rows, chunk, chunk)
+    return scores
 
 
 def _vector_score_grads(d_scores, q, k, g):
     rows, chunk, keys = q.shape
     size = _sub_chunk(chunk)
     count = chunk // size
-    row, column, within = _vector_factors(g)
-    earlier_columns = _earlier_columns(chunk, size)
-    q_rows = q.reshape(rows, count, size, keys) * row
-    k_columns = jnp.where(earlier_columns, k[:, None, :, :] * column, 0.0)
-    d_rows = d_scores.reshape(rows, count, size, chunk)
-    dq_earlier = (row * einsum("msij,msjk->msik", d_rows, k_columns)).reshape(q.shape)
-    dk_earlier = jnp.sum(jnp.where(earlier_columns, column * einsum("msij,msik->msjk", d_rows, q_rows), 0.0), axis=1)
+    _, _, within = _vector_factors(g)
     strictly_lower = lower_triangle(size, strict=True)[:, :, None]
     d_within = jnp.where(strictly_lower, _diagonal_blocks(d_scores, size)[..., None] * within, 0.0)  # [M*S, c, c, K]
     q_flat, k_flat = q.reshape(-1, size, keys), k.reshape(-1, size, keys)
-    dq_strict = dq_earlier + jnp.sum(d_within * k_flat[:, None, :, :], axis=2).reshape(q.shape)
-    dk_strict = dk_earlier + jnp.sum(d_within * q_flat[:, :, None, :], axis=1).reshape(k.shape)
+    dq_strict = jnp.sum(d_within * k_flat[:, None, :, :], axis=2).reshape(q.shape)
+    dk_strict = jnp.sum(d_within * q_flat[:, :, None, :], axis=1).reshape(k.shape)
+    parts = _earlier_parts(q, k, g)
+    if parts is not None:
+        q_rows, k_columns, column, earlier_columns, row = parts
+        d_rows = d_scores.reshape(rows, count, size, chunk)[:, 1:]
+        dq_earlier = row * einsum("msij,msjk->msik", d_rows, k_columns)
+        dq_strict = dq_strict + _with_first_sub_chunk_zero(dq_earlier).reshape(q.shape)
+        from_rows = jnp.where(earlier_columns, column * einsum("msij,msik->msjk", d_rows, q_rows), 0.0)
+        dk_strict = dk_strict + jnp.sum(from_rows, axis=1)
     d_diagonal = _diagonal(d_scores)[..., None]  # [M, C, 1]
     d_b = q * dq_strict - k * dk_strict
     return dq_strict + d_diagonal * k, dk_strict + d_diagonal * q, d_b
