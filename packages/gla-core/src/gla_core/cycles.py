@@ -56,8 +56,13 @@ def parse_profiles(directory: pathlib.Path) -> dict[str, int]:
 
 
 def _compile_in_subprocess(spec: dict, directory: pathlib.Path) -> None:
+    logs = directory / "tpu-logs"  # a crashing profiled compile logs gigabytes; they go with the directory
+    logs.mkdir(exist_ok=True)
     env = dict(
-        os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1", LIBTPU_INIT_ARGS=f"--xla_jf_dump_static_llo_profile_to={directory}"
+        os.environ,
+        ALLOW_MULTIPLE_LIBTPU_LOAD="1",
+        TPU_LOG_DIR=str(logs),
+        LIBTPU_INIT_ARGS=f"--xla_jf_dump_static_llo_profile_to={directory}",
     )
     command = [sys.executable, "-m", "gla_core.cycles", json.dumps(spec)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800, check=False)
