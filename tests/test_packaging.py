@@ -79,6 +79,36 @@ def test_source_imports_only_declared_runtime_dependencies(package):
     assert not undeclared, f"{package} imports {undeclared} in functions, declared in no dependency or extra"
 
 
+# The gla-core modules a sibling package's source may import: the public API, the errors and the plugin kit.
+GLA_CORE_SURFACE = {"gla_core", "gla_core.errors", "gla_core.kit"}
+
+
+def _gla_core_modules_imported(path: pathlib.Path) -> set[str]:
+    """The gla_core modules `path` imports, `from gla_core import name` counted as `gla_core.name`
+    when `name` is a module of gla_core."""
+    package_dir = ROOT / "packages" / "gla-core" / "src" / "gla_core"
+    submodules = {p.stem for p in package_dir.glob("*.py")} | {p.name for p in package_dir.iterdir() if p.is_dir()}
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "gla_core")
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "gla_core":
+            found.add(node.module)
+            if node.module == "gla_core":
+                found.update(f"gla_core.{a.name}" for a in node.names if a.name in submodules - {"__init__"})
+    return found
+
+
+@pytest.mark.parametrize("package", [p for p in PACKAGES if p != "gla-core"])
+def test_siblings_build_on_gla_core_through_its_public_surface(package):
+    """Plugins import gla_core, gla_core.errors and gla_core.kit only: the modules behind the kit may move."""
+    outside = {}
+    for path in sorted((ROOT / "packages" / package / "src").rglob("*.py")):
+        for module in _gla_core_modules_imported(path) - GLA_CORE_SURFACE:
+            outside.setdefault(module, str(path.relative_to(ROOT)))
+    assert not outside, f"{package} imports gla_core internals (use gla_core.kit): {outside}"
+
+
 def test_nox_installs_runtime_dependencies_plus_the_oracle():
     path = ROOT / "noxfile.py"
     noxfile = {"__file__": str(path), "__name__": "noxfile"}
@@ -91,12 +121,13 @@ def test_fla_named_functions_fall_back_only_to_installed_packages():
     """The implementations an FLA-named function may pick come from its package's runtime closure."""
     import gla_core
     from gla_fused import functions as fused_functions
+    from gla_kda import api as kda_functions
     from gla_simple import functions as simple_functions
 
     families = {
         ("gla-fused", "simple_gla"): fused_functions.FAMILY,
-        ("gla-simple", "simple_gla"): (simple_functions.CHUNK, simple_functions.CHUNK_FALLBACK),
-        ("gla-kda", "kda"): ("chunk", "xla"),
+        ("gla-simple", "simple_gla"): simple_functions.CHUNK_FAMILY,
+        ("gla-kda", "kda"): kda_functions.CHUNK_FAMILY,
     }
     for (package, op), family in families.items():
         providers = {impl.name: impl.package for impl in gla_core.implementations(op)}

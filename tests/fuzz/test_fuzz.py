@@ -24,7 +24,7 @@ def _implementations(ops: tuple[str, ...]) -> list:
         for implementation in gla_core.implementations(op):
             if implementation.name == ORACLE:
                 continue
-            marks = [pytest.mark.interpret] if implementation.interpretable else []
+            marks = [pytest.mark.interpret] if implementation.interpretable else [pytest.mark.oracle]
             params.append(pytest.param(op, implementation, id=f"{op}-{implementation.name}", marks=marks))
     return params
 

@@ -14,7 +14,7 @@ from .specs import Poison, Spec, find_implementation
 
 def _case(case_id: str, op_impl: str, spec: Spec, poison: Poison | None = None):
     op, name = op_impl.split("-")
-    marks = [pytest.mark.interpret] if find_implementation(op, name).interpretable else []
+    marks = [pytest.mark.interpret] if find_implementation(op, name).interpretable else [pytest.mark.oracle]
     arguments = (name, spec) if poison is None else (name, spec, poison)
     return pytest.param(*arguments, id=f"{op_impl}-{case_id}", marks=marks)
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import sys
 import types
+import zlib
 from importlib import metadata
 
+import jax.numpy as jnp
 import pytest
 
 from gla_core import Implementation, hookimpl
@@ -14,11 +16,33 @@ from gla_core.registry import ENTRY_POINT_GROUP, Registry, reset_default_registr
 ALL_BACKENDS = frozenset({"cpu", "gpu", "tpu"})
 
 
+def name_code(name: str) -> int:
+    """The int32 a fake implementation named `name` returns (implementations run jitted, so they
+    return arrays, not strings)."""
+    return zlib.crc32(name.encode()) % 2**31
+
+
+def fake_name(result) -> str:
+    """The name of the fake implementation that returned `result` (see `name_code`)."""
+    return _NAMES[int(result)]
+
+
+@pytest.fixture
+def ran():
+    """`ran(result)`: the name of the fake implementation that returned `result`."""
+    return fake_name
+
+
+_NAMES: dict[int, str] = {}
+
+
 def make_fake_impl(name: str, priority: int, op: str = "simple_gla", **fields) -> Implementation:
-    """An implementation whose fn returns its own name, so tests can see who ran."""
+    """An implementation whose fn returns `name_code(name)`, so tests can see who ran (`ran`)."""
     fields.setdefault("backends", ALL_BACKENDS)
     fields.setdefault("package", "fake-package")
-    return Implementation(op=op, name=name, fn=lambda *arrays, **kwargs: name, priority=priority, **fields)
+    code = name_code(name)
+    _NAMES[code] = name
+    return Implementation(op=op, name=name, fn=lambda args: jnp.int32(code), priority=priority, **fields)
 
 
 def make_plugin(*implementations: Implementation, name: str = "fake_plugin") -> types.ModuleType:
@@ -99,7 +123,7 @@ from gla_core import Implementation, hookimpl
 
 @hookimpl
 def gla_implementations():
-    return [Implementation(op="simple_gla", name="{name}", fn=lambda *a, **k: "{name}", priority={priority},
+    return [Implementation(op="simple_gla", name="{name}", fn=lambda args: args.q.sum(), priority={priority},
                            backends={{"cpu"}}, package="{name}-package")]
 """
 

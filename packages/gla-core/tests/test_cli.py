@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
 import pytest
 
 from gla_core import cli
@@ -18,12 +17,15 @@ from gla_ref import recurrent
 def oracle_backed(install_registry, fake_impl, plugin_of):
     """simple_gla served by a correct implementation (the recurrence), a wrong one and `reference`."""
 
-    def correct(q, k, v, *, interpret, chunk_size, **kwargs):
-        o, ht = recurrent.simple_gla(q, k, v, **kwargs)
-        return o.astype(v.dtype), ht
+    def correct(args):
+        gates = dict(g=args.g, g_gamma=args.g_gamma, initial_state=args.initial_state, cu_seqlens=args.cu_seqlens)
+        o, ht = recurrent.simple_gla(
+            args.q, args.k, args.v, scale=args.scale, output_final_state=args.output_final_state, **gates
+        )
+        return o.astype(args.v.dtype), ht
 
-    def wrong(q, k, v, *, interpret, chunk_size, **kwargs):
-        o, ht = correct(q, k, v, interpret=interpret, chunk_size=chunk_size, **kwargs)
+    def wrong(args):
+        o, ht = correct(args)
         return o * 1.01, ht
 
     make = lambda name, priority, fn: dataclasses.replace(fake_impl(name, priority), fn=fn)
@@ -40,7 +42,7 @@ def test_list_shows_implementations_and_failures(fake_entry_points, good_plugin,
     out = capsys.readouterr().out
     assert "simple_gla" in out and "xla" in out and "xla-package" in out
     assert "plugin 'broken' failed to load" in out and "ImportError: no libfoo" in out
-    assert "ops without implementation: gla, kda, kda_gate" in out
+    assert "ops without implementation: gla" in out
 
 
 def test_explain_prints_every_candidate(install_registry, fake_impl, plugin_of, capsys):
@@ -60,7 +62,7 @@ def test_explain_prints_every_candidate(install_registry, fake_impl, plugin_of, 
 
 def test_explain_reports_bad_shapes_as_errors(install_registry, fake_impl, plugin_of, capsys):
     install_registry(plugin_of(fake_impl("xla", 50)))
-    assert cli.main(["explain", "kda", "-H", "4", "--value-heads", "6"]) == 2
+    assert cli.main(["explain", "simple_gla", "--varlen", "2", "-B", "2"]) == 2
     assert "ShapeError" in capsys.readouterr().err
 
 
@@ -92,13 +94,3 @@ def test_bench_times_every_accepting_implementation(oracle_backed, capsys, monke
     for name in ("good", "bad", "reference"):
         assert out.count(f" {name} ") == 4  # two T x two stages
     assert "1.00x" in out
-
-
-def test_kda_explain_builds_every_kda_argument(install_registry, fake_impl, plugin_of, capsys):
-    seen = []
-    install_registry(plugin_of(fake_impl("xla", 50, op="kda", supports=lambda call: seen.append(call))))
-    argv = ["explain", "kda", "-H", "2", "--value-heads", "4", "--gate-in-kernel", "--dt-bias", "--lower-bound", "-5"]
-    assert cli.main([*argv, "--l2norm", "--dtype", "float32"]) == 0
-    (call,) = seen
-    assert call.num_value_heads == 4 and call.dtype == str(jnp.dtype("float32"))
-    assert call.option("use_gate_in_kernel") and call.option("has_dt_bias") and call.option("has_lower_bound")

@@ -33,14 +33,14 @@ def three_impls(install_registry, fake_impl, plugin_of):
     )
 
 
-def test_dispatch_runs_the_highest_priority_accepting_impl(three_impls):
+def test_dispatch_runs_the_highest_priority_accepting_impl(three_impls, ran):
     q, k, v = qkv()
-    assert gla_core.dispatch("simple_gla", q, k, v, g=jnp.zeros((B, T, H))) == "fast"
-    assert gla_core.dispatch("simple_gla", q, k, v) == "middle"
+    assert ran(gla_core.dispatch("simple_gla", q, k, v, g=jnp.zeros((B, T, H)))) == "fast"
+    assert ran(gla_core.dispatch("simple_gla", q, k, v)) == "middle"
 
 
-def test_impl_keyword_forces_an_implementation(three_impls):
-    assert gla_core.dispatch("simple_gla", *qkv(), impl="slow") == "slow"
+def test_impl_keyword_forces_an_implementation(three_impls, ran):
+    assert ran(gla_core.dispatch("simple_gla", *qkv(), impl="slow")) == "slow"
 
 
 def test_impl_keyword_fails_with_the_implementations_reason(three_impls):
@@ -48,26 +48,26 @@ def test_impl_keyword_fails_with_the_implementations_reason(three_impls):
         gla_core.dispatch("simple_gla", *qkv(), impl="fast")
 
 
-def test_use_overrides_priority_and_nests(three_impls):
+def test_use_overrides_priority_and_nests(three_impls, ran):
     q, k, v = qkv()
     with gla_core.use(simple_gla="slow"):
-        assert gla_core.dispatch("simple_gla", q, k, v) == "slow"
+        assert ran(gla_core.dispatch("simple_gla", q, k, v)) == "slow"
         with gla_core.use(simple_gla="middle"):
-            assert gla_core.dispatch("simple_gla", q, k, v) == "middle"
-        assert gla_core.dispatch("simple_gla", q, k, v) == "slow"
-    assert gla_core.dispatch("simple_gla", q, k, v) == "middle"
+            assert ran(gla_core.dispatch("simple_gla", q, k, v)) == "middle"
+        assert ran(gla_core.dispatch("simple_gla", q, k, v)) == "slow"
+    assert ran(gla_core.dispatch("simple_gla", q, k, v)) == "middle"
 
 
-def test_environment_variable_overrides_priority(three_impls, monkeypatch):
+def test_environment_variable_overrides_priority(three_impls, monkeypatch, ran):
     monkeypatch.setenv("GLA_IMPL_SIMPLE_GLA", "slow")
-    assert gla_core.dispatch("simple_gla", *qkv()) == "slow"
+    assert ran(gla_core.dispatch("simple_gla", *qkv())) == "slow"
 
 
-def test_precedence_is_impl_then_use_then_environment(three_impls, monkeypatch):
+def test_precedence_is_impl_then_use_then_environment(three_impls, monkeypatch, ran):
     monkeypatch.setenv("GLA_IMPL_SIMPLE_GLA", "slow")
     with gla_core.use(simple_gla="middle"):
-        assert gla_core.dispatch("simple_gla", *qkv()) == "middle"
-        assert gla_core.dispatch("simple_gla", *qkv(), impl="slow") == "slow"
+        assert ran(gla_core.dispatch("simple_gla", *qkv())) == "middle"
+        assert ran(gla_core.dispatch("simple_gla", *qkv(), impl="slow")) == "slow"
 
 
 def test_override_naming_a_declining_impl_says_where_it_came_from(three_impls, monkeypatch):
@@ -91,19 +91,19 @@ def test_explain_accepts_shape_structs(three_impls):
     assert resolution.call.num_sequences == 2
 
 
-def test_use_backend_changes_the_target_backend(install_registry, fake_impl, plugin_of):
+def test_use_backend_changes_the_target_backend(install_registry, fake_impl, plugin_of, ran):
     install_registry(plugin_of(fake_impl("tpu_kernel", 100, backends={"tpu"}), fake_impl("portable", 1)))
-    assert gla_core.dispatch("simple_gla", *qkv()) == "portable"
+    assert ran(gla_core.dispatch("simple_gla", *qkv())) == "portable"
     with gla_core.use(backend="tpu"):
         assert gla_core.backend() == "tpu"
-        assert gla_core.dispatch("simple_gla", *qkv()) == "tpu_kernel"
+        assert ran(gla_core.dispatch("simple_gla", *qkv())) == "tpu_kernel"
 
 
 @pytest.mark.parametrize("source", ["call", "use", "env"])
 def test_interpret_mode_reaches_the_call(install_registry, fake_impl, plugin_of, monkeypatch, source):
     seen = []
     impl = fake_impl("chunk", 100, backends={"tpu"}, interpretable=True)
-    impl = gla_core.Implementation(**{**impl.__dict__, "fn": lambda *a, **kw: seen.append(kw["interpret"])})
+    impl = gla_core.Implementation(**{**impl.__dict__, "fn": lambda args: seen.append(args.interpret) or args.q.sum()})
     install_registry(plugin_of(impl))
     kwargs = {"interpret": True} if source == "call" else {}
     if source == "env":
@@ -116,10 +116,10 @@ def test_interpret_mode_reaches_the_call(install_registry, fake_impl, plugin_of,
 def test_implementation_receives_every_normalized_keyword(install_registry, fake_impl, plugin_of):
     received = {}
     impl = fake_impl("probe", 1)
-    impl = gla_core.Implementation(**{**impl.__dict__, "fn": lambda *a, **kw: received.update(kw, arrays=len(a))})
+    impl = gla_core.Implementation(**{**impl.__dict__, "fn": lambda args: received.update(vars(args)) or args.q.sum()})
     install_registry(plugin_of(impl))
     gla_core.dispatch("simple_gla", *qkv())
-    assert received["arrays"] == 3
+    assert {"q", "k", "v"} <= set(received) and received["options"].values == ()
     assert received["scale"] == pytest.approx(K**-0.5)
     assert received["chunk_size"] == 64 and received["interpret"] is False
     assert set(received) >= {"g", "g_gamma", "initial_state", "output_final_state", "cu_seqlens"}
@@ -144,8 +144,8 @@ def test_bad_gla_interpret_environment_value_is_rejected(three_impls, monkeypatc
 
 
 def test_dispatch_works_under_jit_with_traced_cu_seqlens(install_registry, fake_impl, plugin_of):
-    def first_boundary_plus_sum(q, k, v, **kwargs):
-        return q.sum() + kwargs["cu_seqlens"][1], None
+    def first_boundary_plus_sum(args):
+        return args.q.sum() + args.cu_seqlens[1], None
 
     impl = gla_core.Implementation(**{**fake_impl("sum", 1).__dict__, "fn": first_boundary_plus_sum})
     install_registry(plugin_of(impl))
@@ -166,8 +166,8 @@ def array_impls(install_registry, fake_impl, plugin_of):
     """Two implementations whose outputs differ (q + 1 and q + 2), so a jitted result shows which ran."""
 
     def adding(amount):
-        def fn(q, k, v, **kwargs):
-            return q + amount, None
+        def fn(args):
+            return args.q + amount, None
 
         return fn
 
@@ -217,6 +217,6 @@ def test_use_is_per_thread_for_jitted_functions(array_impls):
 
 
 def test_an_op_without_any_implementation_names_the_package_to_install(install_registry, fake_impl, plugin_of):
-    install_registry(plugin_of(fake_impl("only_kda", 1, op="kda")))
+    install_registry(plugin_of(fake_impl("only_gla", 1, op="gla")))
     with pytest.raises(gla_core.errors.NoImplementationError, match="pip install gla-simple"):
         gla_core.dispatch("simple_gla", *qkv())

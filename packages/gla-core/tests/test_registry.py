@@ -32,7 +32,7 @@ def test_priority_tie_for_one_op_is_rejected(fake_impl, plugin_of):
 
 def test_equal_priorities_for_different_ops_are_fine(fake_impl, plugin_of):
     registry = Registry()
-    registry.register(plugin_of(fake_impl("x", 5), fake_impl("x", 5, op="kda")))
+    registry.register(plugin_of(fake_impl("x", 5), fake_impl("x", 5, op="gla")))
     assert len(registry.implementations()) == 2
 
 

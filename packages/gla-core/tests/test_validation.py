@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gla_core.attention_ops import GLA, SIMPLE_GLA
 from gla_core.errors import DTypeError, InvalidArgumentError, ShapeError, UnknownArgumentError
 from gla_core.validation import validate
 
@@ -20,25 +21,12 @@ def zeros(*shape, dtype=jnp.float32):
 def simple_gla(**kwargs):
     q = kwargs.pop("q", zeros(B, T, H, K))
     arrays = (q, kwargs.pop("k", zeros(B, T, H, K)), kwargs.pop("v", zeros(B, T, H, V)))
-    return validate("simple_gla", arrays, kwargs, backend="cpu", interpret=False)
+    return validate(SIMPLE_GLA, arrays, kwargs, backend="cpu", interpret=False)
 
 
 def packed(**kwargs):
     """simple_gla with B = 1 and T packed tokens."""
     return simple_gla(q=zeros(1, T, H, K), k=zeros(1, T, H, K), v=zeros(1, T, H, V), **kwargs)
-
-
-def kda(hv=H, **kwargs):
-    arrays = (zeros(B, T, H, K), zeros(B, T, H, K), kwargs.pop("v", zeros(B, T, hv, V)))
-    kwargs.setdefault("g", zeros(B, T, hv, K))
-    kwargs.setdefault("beta", zeros(B, T, hv))
-    return validate("kda", arrays, kwargs, backend="cpu", interpret=False)
-
-
-def kda_gate(**kwargs):
-    g = kwargs.pop("g", zeros(B, T, H, K))
-    kwargs.setdefault("A_log", zeros(H))
-    return validate("kda_gate", (g,), kwargs, backend="cpu", interpret=False)
 
 
 def expect(error_type, argument, fn, **kwargs):
@@ -71,10 +59,6 @@ def test_mismatched_heads_of_v():
     assert f"H = {H}" in message
 
 
-def test_grouped_value_heads_must_be_a_multiple_of_h():
-    expect(ShapeError, "v", kda, hv=H + 1, v=zeros(B, T, H + 1, V), g=zeros(B, T, H + 1, K), beta=zeros(B, T, H + 1))
-
-
 def test_wrong_g_shape():
     message = expect(ShapeError, "g", simple_gla, g=zeros(B, T, H, 1))
     assert "[B, T, H]" in message
@@ -87,47 +71,19 @@ def test_wrong_g_gamma_shape():
 def test_wrong_gk_shape():
     arrays = (zeros(B, T, H, K), zeros(B, T, H, K), zeros(B, T, H, V))
     with pytest.raises(ShapeError, match=r"^gk:"):
-        validate("gla", arrays, {"gk": zeros(B, T, H)}, backend="cpu", interpret=False)
+        validate(GLA, arrays, {"gk": zeros(B, T, H)}, backend="cpu", interpret=False)
 
 
 def test_gla_accepts_fla_chunk_gla_name_g_for_gk():
     arrays = (zeros(B, T, H, K), zeros(B, T, H, K), zeros(B, T, H, V))
-    call, args = validate("gla", arrays, {"g": zeros(B, T, H, K)}, backend="cpu", interpret=False)
+    call, args = validate(GLA, arrays, {"g": zeros(B, T, H, K)}, backend="cpu", interpret=False)
     assert call.gates == {"gk"} and args["gk"] is not None
 
 
 def test_gla_without_gk_is_rejected():
     arrays = (zeros(B, T, H, K), zeros(B, T, H, K), zeros(B, T, H, V))
     with pytest.raises(InvalidArgumentError, match=r"^gk:"):
-        validate("gla", arrays, {}, backend="cpu", interpret=False)
-
-
-def test_wrong_kda_gate_and_beta_shapes():
-    expect(ShapeError, "g", kda, g=zeros(B, T, H, K + 1))
-    expect(ShapeError, "beta", kda, beta=zeros(B, T, H, 1))
-
-
-def test_wrong_kda_gate_parameter_shapes():
-    expect(ShapeError, "A_log", kda, use_gate_in_kernel=True, A_log=zeros(H + 1))
-    expect(ShapeError, "dt_bias", kda, use_gate_in_kernel=True, A_log=zeros(H), dt_bias=zeros(H, K))
-    expect(ShapeError, "A_log", kda_gate, A_log=zeros(1))
-
-
-def test_gate_parameters_without_in_kernel_gate_are_rejected():
-    message = expect(InvalidArgumentError, "A_log", kda, A_log=zeros(H))
-    assert "use_gate_in_kernel" in message
-
-
-def test_in_kernel_gate_needs_a_log():
-    expect(InvalidArgumentError, "A_log", kda, use_gate_in_kernel=True)
-
-
-@pytest.mark.parametrize("bound", [0.0, 1.0, float("nan"), "low"])
-def test_bad_lower_bound(bound):
-    expect(InvalidArgumentError, "lower_bound", kda_gate, lower_bound=bound)
-
-
-# ------------------------------------------------------------------ dtypes
+        validate(GLA, arrays, {}, backend="cpu", interpret=False)
 
 
 @pytest.mark.parametrize("name", ["q", "k", "v"])
@@ -150,13 +106,6 @@ def test_non_array_is_rejected():
     expect(DTypeError, "q", simple_gla, q=[[1.0]])
 
 
-def test_bad_output_dtype_of_kda_gate():
-    expect(DTypeError, "output_dtype", kda_gate, output_dtype=jnp.int32)
-
-
-# ------------------------------------------------------------------ states
-
-
 def test_initial_state_wrong_shape():
     message = expect(ShapeError, "initial_state", simple_gla, initial_state=zeros(B, H, V, K))
     assert "[N, H, K, V]" in message and str((B, H, K, V)) in message
@@ -166,11 +115,6 @@ def test_initial_state_must_have_one_state_per_sequence():
     cu_seqlens = jnp.array([0, 5, T])
     message = expect(ShapeError, "initial_state", packed, cu_seqlens=cu_seqlens, initial_state=zeros(1, H, K, V))
     assert str((2, H, K, V)) in message
-
-
-def test_kda_initial_state_uses_value_heads():
-    kda(hv=2 * H, v=zeros(B, T, 2 * H, V), initial_state=zeros(B, 2 * H, K, V))
-    expect(ShapeError, "initial_state", kda, hv=2 * H, v=zeros(B, T, 2 * H, V), initial_state=zeros(B, H, K, V))
 
 
 def test_integer_initial_state_is_rejected():
@@ -248,21 +192,20 @@ def test_unknown_keyword_is_rejected():
 def test_argument_given_twice_is_rejected():
     arrays = (zeros(B, T, H, K), zeros(B, T, H, K), zeros(B, T, H, V))
     with pytest.raises(UnknownArgumentError, match="'q' given more than once"):
-        validate("simple_gla", arrays, {"q": arrays[0]}, backend="cpu", interpret=False)
+        validate(SIMPLE_GLA, arrays, {"q": arrays[0]}, backend="cpu", interpret=False)
 
 
 def test_too_many_positional_arrays_are_rejected():
     arrays = (zeros(B, T, H, K),) * 4
     with pytest.raises(UnknownArgumentError, match="at most 3 positional"):
-        validate("simple_gla", arrays, {}, backend="cpu", interpret=False)
-
-
-def test_non_bool_flag_is_rejected():
-    expect(InvalidArgumentError, "output_final_state", simple_gla, output_final_state="yes")
-    expect(InvalidArgumentError, "use_qk_l2norm_in_kernel", kda, use_qk_l2norm_in_kernel=1)
+        validate(SIMPLE_GLA, arrays, {}, backend="cpu", interpret=False)
 
 
 def test_valid_call_is_described():
     call, _ = simple_gla(g=zeros(B, T, H), g_gamma=zeros(H), output_final_state=True)
     assert call.gates == {"g", "g_gamma"}
     assert "gates=g+g_gamma" in call.describe() and "ht" in call.describe()
+
+
+def test_non_bool_flag_is_rejected():
+    expect(InvalidArgumentError, "output_final_state", simple_gla, output_final_state="yes")

@@ -7,8 +7,10 @@ import pytest
 
 import gla_core
 import gla_fused
-from gla_fused.functions import fused_chunk_implementation
+from gla_fused.functions import FAMILY
 from gla_ref import testing
+
+pytestmark = pytest.mark.oracle
 
 
 def _structs(case):
@@ -28,12 +30,12 @@ def _structs(case):
 def test_family_order_on_tpu(options, expected):
     case = testing.make_case("simple_gla", seq_len=100, initial_state=True, output_final_state=True, **options)
     with gla_core.use(backend="tpu"):
-        assert fused_chunk_implementation(**_structs(case), **case.options) == expected
+        assert gla_core.explain("simple_gla", **_structs(case), **case.options, among=FAMILY).winner.name == expected
 
 
 def test_off_tpu_without_interpret_it_uses_xla():
     case = testing.make_case("simple_gla", gates=("g_gamma",), seq_len=100)
-    assert fused_chunk_implementation(**_structs(case), **case.options) == "xla"
+    assert gla_core.explain("simple_gla", **_structs(case), **case.options, among=FAMILY).winner.name == "xla"
 
 
 def test_against_oracle_on_cpu():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from gla_core.cost import attention_problem, training_step_fn, training_structs
-from gla_core.tpu_checks import CompileReport, compile_for_tpu
+from gla_core.kit import CompileReport, compile_for_tpu
 
 IMPLEMENTATIONS = ("xla", "chunk", "fused_chunk", "fused_g_gamma")
 

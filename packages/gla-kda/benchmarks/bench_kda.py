@@ -5,7 +5,7 @@ Forward and forward+backward (gradients of every input); compilation is excluded
 call before timing). The `reference` token-by-token oracle runs only at the smaller T.
 
 Run: `nox -s bench`, or
-  /work/venv/bin/python -m pytest packages/gla-kda/benchmarks -o python_files='bench_*.py' \
+  python -m pytest packages/gla-kda/benchmarks -o python_files='bench_*.py' \
       --benchmark-only --benchmark-group-by=group
 """
 

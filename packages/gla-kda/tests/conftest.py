@@ -10,26 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import gla_core
-from gla_ref.testing import Case, assert_close, cotangents, make_case, oracle, tolerance_for
-
-
-def jit_dispatch(impl: str, case: Case):
-    """`fn(**case.kwargs())` running `dispatch(case.op, impl=impl)` under `jax.jit`.
-
-    Non-array options (flags, scale, chunk_size, lower_bound) are static; arrays, including
-    `cu_seqlens`, are traced, as in a training step.
-    """
-    static = {name: value for name, value in case.options.items() if not isinstance(value, jax.Array)}
-
-    @jax.jit
-    def run(arrays):
-        return gla_core.dispatch(case.op, impl=impl, **arrays, **static)
-
-    def fn(**kwargs):
-        return run({name: value for name, value in kwargs.items() if name not in static})
-
-    return fn
+from gla_ref.testing import Case, assert_close, cotangents, jit_dispatch, make_case, oracle, tolerance_for
 
 
 @pytest.fixture

@@ -16,6 +16,8 @@ from gla_kda.l2norm import l2norm
 from gla_ref import gates as ref_gates
 from gla_ref.testing import TOLERANCES, assert_close, check_against_oracle, make_case
 
+pytestmark = pytest.mark.oracle
+
 
 @pytest.mark.parametrize("dt_bias", [True, False], ids=["dt_bias", "no_dt_bias"])
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "lower_bound"])

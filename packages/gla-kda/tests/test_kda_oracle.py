@@ -15,6 +15,8 @@ import pytest
 
 from gla_ref.testing import check_against_oracle, make_case
 
+pytestmark = pytest.mark.oracle
+
 # One case exercises several options at once to keep the number of compilations low.
 CASES = {
     "h0_ht_T512_chunk128_grouped_x4": dict(

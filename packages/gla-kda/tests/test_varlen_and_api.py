@@ -14,6 +14,8 @@ from gla_core import errors
 from gla_kda import api, chunk_kda, fused_recurrent_kda
 from gla_ref.testing import TOLERANCES, assert_close, make_case
 
+pytestmark = pytest.mark.oracle
+
 TOL = TOLERANCES["float32"]
 
 
@@ -93,10 +95,10 @@ def test_chunk_kda_family_choice():
     shape = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.float32)
     arrays = (shape(1, 128, 2, 64), shape(1, 128, 2, 64), shape(1, 128, 4, 64))
     kwargs = dict(g=shape(1, 128, 4, 64), beta=shape(1, 128, 4))
-    assert api._chunk_implementation(arrays, kwargs) == "xla"
+    assert gla_core.explain("kda", *arrays, **kwargs, among=api.CHUNK_FAMILY).winner.name == "xla"
     registered = {i.name for i in gla_core.implementations("kda")}
     expected = "chunk" if "chunk" in registered else "xla"
-    assert api._chunk_implementation(arrays, {**kwargs, "interpret": True}) == expected
+    assert gla_core.explain("kda", *arrays, **kwargs, interpret=True, among=api.CHUNK_FAMILY).winner.name == expected
 
 
 def test_chunk_kda_rejects_gate_options_without_in_kernel_gate():

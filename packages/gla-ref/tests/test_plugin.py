@@ -10,6 +10,8 @@ import pytest
 import gla_core
 from gla_ref.testing import check_against_oracle, make_case
 
+pytestmark = pytest.mark.oracle
+
 OPS = ("simple_gla", "gla", "kda", "kda_gate")
 
 

@@ -2,29 +2,9 @@
 
 from __future__ import annotations
 
-import jax
 import pytest
 
-import gla_core
-from gla_ref.testing import Case
-
-
-def jit_dispatch(impl: str, case: Case):
-    """`fn(**case.kwargs())` running `dispatch(case.op, impl=impl)` under `jax.jit`.
-
-    Non-array options (scale, chunk_size, output_final_state) are static; arrays, including
-    `cu_seqlens`, are traced, as in a training step.
-    """
-    static = {name: value for name, value in case.options.items() if not isinstance(value, jax.Array)}
-
-    @jax.jit
-    def run(arrays):
-        return gla_core.dispatch(case.op, impl=impl, **arrays, **static)
-
-    def fn(**kwargs):
-        return run({name: value for name, value in kwargs.items() if name not in static})
-
-    return fn
+from gla_ref.testing import jit_dispatch
 
 
 @pytest.fixture

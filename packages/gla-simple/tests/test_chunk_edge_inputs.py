@@ -30,7 +30,7 @@ import pytest
 
 import gla_core
 from gla_core import errors
-from gla_core.pallas_transforms import HigherOrderDerivativeError
+from gla_core.errors import HigherOrderDerivativeError
 from gla_ref import testing
 
 pytestmark = pytest.mark.interpret

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 import gla_core
-from gla_core.resolution import INTERPRET_HINT
+from gla_core.kit import INTERPRET_HINT
 
 OPS = ("simple_gla", "gla")
 

@@ -17,12 +17,11 @@ import jax.numpy as jnp
 import pytest
 
 import gla_core
-from gla_core.tpu_checks import compile_for_tpu, export_for_tpu
+from gla_core.kit import DEFAULT_SCOPED_VMEM_BYTES, compile_for_tpu, export_for_tpu
 
 BATCH, SEQ_LEN, HEADS, DIM = 2, 4096, 16, 128
 VARLEN_SEQ_LEN, VARLEN_SEQUENCES = 8192, 8
 # Mosaic's default scoped VMEM limit per kernel (without --xla_tpu_scoped_vmem_limit_kib).
-DEFAULT_SCOPED_VMEM = {"v5e": 16 * 2**20, "v6e": 32 * 2**20}
 KERNELS = {"chunk_fwd_h", "chunk_fwd_o", "chunk_bwd_dh", "chunk_bwd_dv", "chunk_bwd_dqkg"}
 GATES = ("g", "g_gamma", "gk")
 LAYOUTS = ("fixed", "varlen")
@@ -101,7 +100,7 @@ def test_chunk_vmap_exports_for_tpu(gate, layout):
 
 
 @pytest.mark.tpu_compile
-@pytest.mark.parametrize("chip", sorted(DEFAULT_SCOPED_VMEM))
+@pytest.mark.parametrize("chip", sorted(DEFAULT_SCOPED_VMEM_BYTES))
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("gate", GATES)
 def test_chunk_compiles_for_tpu(gate, layout, chip):
@@ -110,4 +109,4 @@ def test_chunk_compiles_for_tpu(gate, layout, chip):
     print(f"\nchunk {gate} {layout} training step, {report.summary()}")
     assert {kernel.name for kernel in report.kernels} == KERNELS
     for kernel in report.kernels:
-        assert 0 < kernel.scoped_vmem_bytes <= DEFAULT_SCOPED_VMEM[chip], kernel
+        assert 0 < kernel.scoped_vmem_bytes <= DEFAULT_SCOPED_VMEM_BYTES[chip], kernel

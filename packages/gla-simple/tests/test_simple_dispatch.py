@@ -11,6 +11,8 @@ import gla_simple
 from gla_ref import testing
 from gla_simple import functions
 
+pytestmark = pytest.mark.oracle
+
 H0_HT = dict(initial_state=True, output_final_state=True)
 
 
@@ -28,7 +30,7 @@ def test_dispatch_chooses_xla_on_cpu(op):
     resolution = gla_core.explain(op, **structs, **case.options)
     assert resolution.call.backend == "cpu"
     assert resolution.winner.name == "xla"
-    assert functions.chunk_implementation(op, **structs, **case.options) == "xla"
+    assert gla_core.explain(op, **structs, **case.options, among=functions.CHUNK_FAMILY).winner.name == "xla"
 
 
 @pytest.mark.parametrize("op", ["simple_gla", "gla"])
@@ -39,7 +41,7 @@ def test_chunk_functions_use_the_pallas_chunk_when_it_accepts(op):
     case = testing.make_case(op, seq_len=100)
     structs = {n: jax.ShapeDtypeStruct(x.shape, x.dtype) for n, x in case.inputs.items()}
     with gla_core.use(interpret=True):
-        assert functions.chunk_implementation(op, **structs, **case.options) == "chunk"
+        assert gla_core.explain(op, **structs, **case.options, among=functions.CHUNK_FAMILY).winner.name == "chunk"
 
 
 def _fla_cases():

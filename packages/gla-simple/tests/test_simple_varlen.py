@@ -16,6 +16,8 @@ import pytest
 import gla_core
 from gla_ref import testing
 
+pytestmark = pytest.mark.oracle
+
 REARRANGED = testing.TOLERANCES["float32_rearranged"]
 
 H0_HT = dict(initial_state=True, output_final_state=True)

@@ -15,6 +15,8 @@ import pytest
 
 from gla_ref import testing
 
+pytestmark = pytest.mark.oracle
+
 H0_HT = dict(initial_state=True, output_final_state=True)
 
 SIMPLE_CASES = {

@@ -20,6 +20,8 @@ import pytest
 import gla_core
 from gla_ref import testing
 
+pytestmark = pytest.mark.oracle
+
 IMPLS = ["xla", "recurrent"]
 REARRANGED = testing.TOLERANCES["float32_rearranged"]
 

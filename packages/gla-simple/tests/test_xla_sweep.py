@@ -19,6 +19,8 @@ import pytest
 import gla_core
 from gla_ref import testing
 
+pytestmark = pytest.mark.oracle
+
 # (B, T, H, K, V, chunk): single-chunk and multi-chunk, the reproducer shapes first.
 SHAPES = [
     (1, 64, 1, 64, 16, 64),

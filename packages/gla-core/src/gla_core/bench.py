@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from gla_core.dispatch import dispatch, explain
 from gla_core.progress import progress
-from gla_core.records import OPS
+from gla_core.registry import default_registry
 from gla_core.timing import forward_backward_seconds, forward_seconds
 
 DEFAULT_SEQ_LENS = (1024, 4096)
@@ -44,10 +44,10 @@ def _accepting(op: str, case, skip: Sequence[str]) -> list[str]:
     return [c.implementation.name for c in resolution.candidates if c.accepted and c.implementation.name not in skip]
 
 
-def run_bench(ops: Sequence[str] = OPS, seq_lens: Sequence[int] = DEFAULT_SEQ_LENS, skip=()) -> list[Timing]:
+def run_bench(ops: Sequence[str] | None = None, seq_lens: Sequence[int] = DEFAULT_SEQ_LENS, skip=()) -> list[Timing]:
     """Times every accepting implementation of each op at each T, forward and forward + backward."""
     jobs = []
-    for op in ops:
+    for op in ops if ops is not None else default_registry().ops():
         for seq_len in seq_lens:
             case = _case(op, seq_len)
             jobs.extend((op, seq_len, case, name) for name in _accepting(op, case, skip))
@@ -85,7 +85,8 @@ def plot_timings(timings: Sequence[Timing], path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError as error:
         raise SystemExit(f"--plot needs matplotlib: pip install 'gla-core[plot]' ({error})") from error
-    panels = sorted({(t.op, t.stage) for t in timings}, key=lambda p: (OPS.index(p[0]), p[1]))
+    order = default_registry().ops()
+    panels = sorted({(t.op, t.stage) for t in timings}, key=lambda p: (order.index(p[0]), p[1]))
     figure, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.5), squeeze=False)
     for axis, (op, stage) in zip(axes[0], panels, strict=True):
         for name in sorted({t.implementation for t in timings if (t.op, t.stage) == (op, stage)}):

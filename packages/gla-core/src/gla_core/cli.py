@@ -14,7 +14,6 @@ from gla_core.dispatch import explain
 from gla_core.errors import GlaError
 from gla_core.ops import DEFAULT_CHUNK_SIZE
 from gla_core.overrides import use
-from gla_core.records import OPS
 from gla_core.registry import default_registry
 
 
@@ -35,7 +34,7 @@ def command_list(args: argparse.Namespace) -> int:
     registry = default_registry()
     rows = [(i.op, i.name, i.package, str(i.priority), _backends(i), i.description) for i in registry.implementations()]
     print(_table(("op", "implementation", "package", "priority", "backends", "description"), rows))
-    missing = [op for op in OPS if not registry.implementations(op)]
+    missing = [op for op in registry.ops() if not registry.implementations(op)]
     if missing:
         print(f"\nops without implementation: {', '.join(missing)}")
     for failure in registry.failures:
@@ -124,7 +123,9 @@ def command_bench(args: argparse.Namespace) -> int:
         _require("matplotlib", "--plot", "pip install 'gla-core[plot]'")
 
     print(f"gla bench on backend {jax.default_backend()}: B=1 H=4 K=V=128 float32", flush=True)
-    timings = run_bench(ops=tuple(args.op or OPS), seq_lens=tuple(args.seq_lens), skip=tuple(args.skip or ()))
+    timings = run_bench(
+        ops=tuple(args.op or default_registry().ops()), seq_lens=tuple(args.seq_lens), skip=tuple(args.skip or ())
+    )
     print(format_timings(timings))
     if args.plot:
         plot_timings(timings, args.plot)
@@ -156,6 +157,7 @@ def command_cost(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    OPS = default_registry().ops()
     parser = argparse.ArgumentParser(prog="gla", description="Gated linear attention kernels: registry and demo.")
     commands = parser.add_subparsers(dest="command", required=True)
 

@@ -15,13 +15,16 @@ Needs `jax[tpu]` (libtpu) for the compile-only devices: `nox -s cost`.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from gla_core.cycles import kernel_cycles
 from gla_core.dispatch import dispatch, explain
 from gla_core.overrides import use
 from gla_core.tpu_checks import CompileReport, compile_for_tpu
@@ -152,8 +155,6 @@ class CostRow:
 
 def _with_cycles(row: CostRow) -> CostRow:
     """Adds static cycle fits of every Pallas kernel of the row (v6e profiles cover Pallas)."""
-    from gla_core.cycles import kernel_cycles
-
     fits = []
     for stage, report in (("fwd", row.forward), ("train", row.training)):
         names = sorted({k.name for k in report.kernels})
@@ -276,3 +277,18 @@ def render_markdown(rows: Sequence[CostRow]) -> str:
                     )
         lines.append("")
     return "\n".join(lines)
+
+
+def compile_stage(spec: dict) -> None:
+    """Compiles one forward (`spec["stage"] == "fwd"`) or training step for a compile-only v6e
+    device; `gla_core.cycles` runs it in a subprocess with libtpu's static profile enabled."""
+    problem = attention_problem(spec["op"], spec["batch"], spec["seq_len"], spec["heads"], gate=spec["gate"])
+    structs = training_structs(problem)
+    if spec["stage"] == "fwd":
+        compile_for_tpu(forward_fn(problem, spec["impl"]), structs[:-1], chip="v6e")
+    else:
+        compile_for_tpu(training_step_fn(problem, spec["impl"]), structs, chip="v6e")
+
+
+if __name__ == "__main__":
+    compile_stage(json.loads(sys.argv[1]))

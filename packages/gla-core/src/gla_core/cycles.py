@@ -25,6 +25,8 @@ from collections.abc import Sequence
 import numpy as np
 
 FIT_SEQ_LENS = (512, 1024, 2048)
+# The module whose `__main__` compiles one `spec` (`gla_core.cost.compile_stage`).
+COMPILE_WORKER = "gla_core.cost"
 FIT_BATCH = FIT_HEADS = 1
 _ESTIMATE = re.compile(r'hlo_op_name:\s*"([^"]+)"\s*estimated_cycles:\s*(\d+)')
 
@@ -64,7 +66,7 @@ def _compile_in_subprocess(spec: dict, directory: pathlib.Path) -> None:
         TPU_LOG_DIR=str(logs),
         LIBTPU_INIT_ARGS=f"--xla_jf_dump_static_llo_profile_to={directory}",
     )
-    command = [sys.executable, "-m", "gla_core.cycles", json.dumps(spec)]
+    command = [sys.executable, "-m", COMPILE_WORKER, json.dumps(spec)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800, check=False)
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
@@ -75,7 +77,7 @@ def kernel_cycles(spec: dict, kernels: Sequence[str], seq_lens: Sequence[int] = 
     """Fits each named kernel's static cycles linearly in T from compiles at `seq_lens` with one
     batch row and one head.
 
-    `spec` describes the forward or training step to compile (see `_main`; its batch, heads
+    `spec` describes the forward or training step to compile (see `gla_core.cost.compile_stage`; its batch, heads
     and seq_len are replaced); `kernels` are the named scopes of the Pallas kernels to fit.
     """
     samples: dict[str, list[tuple[int, int]]] = {k: [] for k in kernels}
@@ -93,20 +95,3 @@ def kernel_cycles(spec: dict, kernels: Sequence[str], seq_lens: Sequence[int] = 
             slope, intercept = np.polyfit([t for t, _ in points], [c for _, c in points], 1)
             fits.append(CycleFit(kernel, float(intercept), float(slope), tuple(points)))
     return fits
-
-
-def _main(spec: dict) -> None:
-    """Compiles one program for a compile-only v6e device (run in a subprocess)."""
-    from gla_core import cost
-    from gla_core.tpu_checks import compile_for_tpu
-
-    problem = cost.attention_problem(spec["op"], spec["batch"], spec["seq_len"], spec["heads"], gate=spec["gate"])
-    structs = cost.training_structs(problem)
-    if spec["stage"] == "fwd":
-        compile_for_tpu(cost.forward_fn(problem, spec["impl"]), structs[:-1], chip="v6e")
-    else:
-        compile_for_tpu(cost.training_step_fn(problem, spec["impl"]), structs, chip="v6e")
-
-
-if __name__ == "__main__":
-    _main(json.loads(sys.argv[1]))

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gla_core import overrides
 from gla_core.backend import backend, interpret_default
-from gla_core.errors import InvalidArgumentError
-from gla_core.ops import SIGNATURES
+from gla_core.errors import InvalidArgumentError, UnknownImplementationError
+from gla_core.options import check_impl_options, resolve_options
 from gla_core.records import Implementation
 from gla_core.registry import default_registry
 from gla_core.resolution import Resolution, resolve
@@ -22,21 +24,57 @@ def _forced(op: str, impl: str | None) -> tuple[str, str] | None:
     return overrides.forced_implementation(op)
 
 
-def _plan(op: str, arrays: tuple, kwargs: dict[str, Any], impl: str | None):
-    call, arguments = validate(op, arrays, kwargs, backend=backend(), interpret=interpret_default())
-    resolution = resolve(call, default_registry().implementations(op), _forced(op, impl))
-    return resolution, arguments
+def _family(op: str, among: Sequence[str], registered: tuple[Implementation, ...]) -> tuple[str, ...]:
+    if isinstance(among, str) or not among or not all(isinstance(name, str) for name in among):
+        raise InvalidArgumentError(f"among: expected a non-empty sequence of implementation names, got {among!r}")
+    names = {i.name for i in registered}
+    unknown = [name for name in among if name not in names]
+    if unknown:
+        raise UnknownImplementationError(
+            f"among: {op} has no implementation {', '.join(map(repr, unknown))}; registered: {', '.join(sorted(names))}"
+        )
+    return tuple(among)
 
 
-def dispatch(op: str, *arrays: Any, impl: str | None = None, **kwargs: Any) -> Any:
+def _plan(op: str, arrays: tuple, kwargs: dict[str, Any], impl: str | None, among: Sequence[str] | None):
+    registry = default_registry()
+    spec = registry.op(op)
+    impl_options = check_impl_options(kwargs.pop("impl_options", None))
+    call, arguments = validate(spec, arrays, kwargs, backend=backend(), interpret=interpret_default())
+    registered = registry.implementations(op)
+    unknown = sorted(set(impl_options) - {i.name for i in registered})
+    if unknown:
+        raise UnknownImplementationError(f"impl_options: {op} has no implementation {', '.join(map(repr, unknown))}")
+    if among is None:
+        forced = _forced(op, impl)
+        resolution = resolve(call, registered, forced, providers=spec.providers)
+    else:
+        if impl is not None:
+            raise InvalidArgumentError("impl and among: give one (among picks from a family, impl forces one)")
+        family = _family(op, among, registered)
+        forced = None
+        candidates = [i for i in registered if i.name in family]
+        resolution = dataclasses.replace(resolve(call, candidates, providers=spec.providers), among=family)
+    if resolution.winner is not None:
+        from_use = overrides.current().forced_options(op) if forced and forced[1].startswith("gla_core.use") else {}
+        given = {**from_use, **impl_options.get(resolution.winner.name, {})}
+        resolution = dataclasses.replace(resolution, options=resolve_options(resolution.winner, given))
+    return registry, spec, resolution, arguments
+
+
+def dispatch(op: str, *arrays: Any, impl: str | None = None, among: Sequence[str] | None = None, **kwargs: Any) -> Any:
     """Runs `op` with the best implementation for this call and backend.
 
     Args:
-      op: "simple_gla", "gla", "kda" or "kda_gate".
+      op: an installed op: "simple_gla", "gla", "kda", "kda_gate" (`gla list` shows them).
       *arrays: q, k, v (kda_gate: g).
       impl: force an implementation by name; raises with its reason if it declines.
+      among: choose only among these implementations (the highest-priority one that accepts);
+        `use()` and `GLA_IMPL_<OP>` overrides do not apply. For functions that pin a family,
+        like FLA's `chunk_*` names.
       **kwargs: the op's keyword arguments by FLA's names (see `gla_core.ops`), plus
-        `interpret` to run Pallas TPU kernels in TPU interpret mode.
+        `interpret` to run Pallas TPU kernels in TPU interpret mode and `impl_options`, a
+        mapping from implementation name to its per-call options (see `gla_core.options`).
 
     Returns:
       `(o, final_state)` for the attention ops (`final_state` is None unless
@@ -45,35 +83,41 @@ def dispatch(op: str, *arrays: Any, impl: str | None = None, **kwargs: Any) -> A
     Example:
       >>> o, ht = gla_core.dispatch("simple_gla", q, k, v, g=g, output_final_state=True)
     """
-    resolution, arguments = _plan(op, arrays, kwargs, impl)
+    registry, spec, resolution, arguments = _plan(op, arrays, kwargs, impl, among)
     chosen = resolution.chosen()
-    positional = [arguments.pop(name) for name in SIGNATURES[op].arrays]
-    return chosen.fn(*positional, **arguments)
+    record = spec.arguments(**arguments, options=resolution.options)
+    return registry.runner(chosen)(record)
 
 
-def explain(op: str, *arrays: Any, impl: str | None = None, **kwargs: Any) -> Resolution:
-    """Every candidate for this call, accepted or declined with its reason, and the winner.
+def explain(
+    op: str, *arrays: Any, impl: str | None = None, among: Sequence[str] | None = None, **kwargs: Any
+) -> Resolution:
+    """Every candidate for this call, accepted or declined with its reason, the winner and its options.
 
     Takes the same arguments as `dispatch`; arrays may be `jax.ShapeDtypeStruct`s.
     `print(explain(...))` shows a table.
     """
-    resolution, _ = _plan(op, arrays, kwargs, impl)
-    return resolution
-
-
-def first_accepting(op: str, family: tuple[str, ...], *arrays: Any, **kwargs: Any) -> str:
-    """The first implementation named in `family` that accepts this call.
-
-    For functions that pin an implementation family (FLA-named entry points): overrides
-    (`impl=`, `use()`, `GLA_IMPL_<OP>`) do not apply. The last name is the fallback; it is
-    forced while resolving, so it raises `ImplementationDeclinedError` if it declines too.
-    Arrays may be `jax.ShapeDtypeStruct`s.
-    """
-    resolution = explain(op, *arrays, impl=family[-1], **kwargs)
-    accepted = {candidate.implementation.name for candidate in resolution.candidates if candidate.accepted}
-    return next(name for name in family if name in accepted or name == family[-1])
+    return _plan(op, arrays, kwargs, impl, among)[2]
 
 
 def implementations(op: str | None = None) -> tuple[Implementation, ...]:
     """Registered implementations (of `op` when given), highest priority first."""
     return default_registry().implementations(op)
+
+
+def ops() -> tuple[str, ...]:
+    """The installed ops."""
+    return default_registry().ops()
+
+
+def dispatch_by_name(op: str, arguments: Mapping[str, Any], **how: Any) -> Any:
+    """`dispatch(op, ...)` with every argument given by name, for functions with FLA's signatures.
+
+    The op's positional arrays (q, k, v) are taken from `arguments` in order, the rest are passed
+    as keywords, with `how` (`impl=`, `among=`) on top. Example, as the first statement of a
+    function whose parameters are the op's arguments:
+      >>> return dispatch_by_name("simple_gla", locals(), among=("chunk", "xla"))
+    """
+    keywords = dict(arguments)
+    arrays = [keywords.pop(name) for name in default_registry().op(op).arrays]
+    return dispatch(op, *arrays, **how, **keywords)

@@ -1,7 +1,8 @@
 """Hook specifications of the `gla` plugin system.
 
 A plugin is a module (found through the entry-point group `gla`) with functions marked
-`@hookimpl`. There is one hook.
+`@hookimpl`. Two hooks: `gla_ops` (ops the plugin defines) and `gla_implementations` (ways to
+serve ops). A plugin implements either or both.
 """
 
 from __future__ import annotations
@@ -19,4 +20,15 @@ def gla_implementations():
 
     Returns:
       A list of `gla_core.Implementation` records the plugin provides.
+    """
+
+
+@hookspec
+def gla_ops():
+    """Called once when the registry loads the plugin, before any implementation is collected.
+
+    Returns:
+      A list of `gla_core.ops.OpSpec` records: the ops the plugin defines (their signature and
+      validator). An op is defined by exactly one plugin; implementations of an op that no
+      installed plugin defines are not registered (`gla list` says so).
     """

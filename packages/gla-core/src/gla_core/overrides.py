@@ -17,33 +17,45 @@ import contextlib
 import dataclasses
 import os
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import jax
 
-from gla_core.errors import InvalidArgumentError, UnknownOpError
-from gla_core.records import BACKENDS, OPS
+from gla_core.errors import InvalidArgumentError
+from gla_core.options import check_impl_options
+from gla_core.records import BACKENDS
+from gla_core.registry import default_registry
 
 
 @dataclasses.dataclass(frozen=True)
 class Overrides:
-    """The active overrides: forced implementation per op, target backend, interpret mode.
+    """The active overrides: forced implementation (and its options) per op, target backend,
+    interpret mode.
 
     Hashable (it is part of JAX's jit cache key): `implementations` is a sorted tuple of
-    (op, implementation name) pairs; `forced(op)` reads it.
+    (op, implementation name, sorted option pairs); `forced(op)` and `forced_options(op)` read it.
     """
 
-    implementations: tuple[tuple[str, str], ...] = ()
+    implementations: tuple[tuple[str, str, tuple[tuple[str, Any], ...]], ...] = ()
     backend: str | None = None
     interpret: bool | None = None
 
     def forced(self, op: str) -> str | None:
         """The implementation forced for `op`, or None."""
-        return dict(self.implementations).get(op)
+        return next((name for o, name, _ in self.implementations if o == op), None)
 
-    def merged(self, implementations: Mapping[str, str], backend: str | None, interpret: bool | None) -> Overrides:
-        """These overrides with the given ones on top."""
+    def forced_options(self, op: str) -> dict[str, Any]:
+        """The options given with the implementation forced for `op`."""
+        return next((dict(options) for o, _, options in self.implementations if o == op), {})
+
+    def merged(
+        self, implementations: Mapping[str, tuple[str, dict]], backend: str | None, interpret: bool | None
+    ) -> Overrides:
+        """These overrides with the given ones (op -> (name, options)) on top."""
+        table = {op: (name, options) for op, name, options in self.implementations}
+        table.update({op: (name, tuple(sorted(options.items()))) for op, (name, options) in implementations.items()})
         return Overrides(
-            implementations=tuple(sorted({**dict(self.implementations), **implementations}.items())),
+            implementations=tuple(sorted((op, name, options) for op, (name, options) in table.items())),
             backend=backend if backend is not None else self.backend,
             interpret=interpret if interpret is not None else self.interpret,
         )
@@ -60,7 +72,7 @@ def current() -> Overrides:
 
 
 @contextlib.contextmanager
-def use(*, backend: str | None = None, interpret: bool | None = None, **implementations: str) -> Iterator[Overrides]:
+def use(*, backend: str | None = None, interpret: bool | None = None, **implementations: Any) -> Iterator[Overrides]:
     """Overrides dispatch inside a `with` block (also for jitted functions called inside it).
 
     Args:
@@ -68,24 +80,34 @@ def use(*, backend: str | None = None, interpret: bool | None = None, **implemen
         Pallas implementations be chosen so they can be lowered with
         `jax.export(..., platforms=["tpu"])` or compiled for compile-only TPU devices.
       interpret: run Pallas TPU kernels in TPU interpret mode (off-TPU testing).
-      **implementations: op name to implementation name, e.g. `simple_gla="chunk"`.
+      **implementations: op name to implementation name, e.g. `simple_gla="chunk"`, or to
+        (name, options), e.g. `simple_gla=("fused_chunk", {"num_steps": 2})`.
 
     Example:
       >>> with gla_core.use(simple_gla="xla"):
       ...     o, _ = gla_core.dispatch("simple_gla", q, k, v, g=g)
     """
-    for op, name in implementations.items():
-        if op not in OPS:
-            raise UnknownOpError(f"use(): expected op names from {list(OPS)}, got {op!r}")
-        if not isinstance(name, str):
-            raise InvalidArgumentError(f"use({op}=...): expected an implementation name, got {name!r}")
+    forced = {}
+    for op, choice in implementations.items():
+        default_registry().op(op)  # UnknownOpError naming the installed ops
+        name, options = _implementation_choice(op, choice)
+        forced[op] = (name, check_impl_options({name: options})[name])
     if backend is not None and backend not in BACKENDS:
         raise InvalidArgumentError(f"use(backend=...): expected one of {sorted(BACKENDS)}, got {backend!r}")
     if interpret is not None and not isinstance(interpret, bool):
         raise InvalidArgumentError(f"use(interpret=...): expected a bool, got {interpret!r}")
-    merged = current().merged(implementations, backend, interpret)
+    merged = current().merged(forced, backend, interpret)
     with _ACTIVE(merged):
         yield merged
+
+
+def _implementation_choice(op: str, choice: Any) -> tuple[str, Any]:
+    """`use(op=choice)`: a name, or a (name, options) pair."""
+    if isinstance(choice, str):
+        return choice, {}
+    if isinstance(choice, tuple) and len(choice) == 2 and isinstance(choice[0], str):
+        return choice
+    raise InvalidArgumentError(f"use({op}=...): expected an implementation name or (name, options), got {choice!r}")
 
 
 def env_variable(op: str) -> str:

@@ -11,15 +11,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-OPS = ("simple_gla", "gla", "kda", "kda_gate")
 BACKENDS = frozenset({"cpu", "gpu", "tpu"})
-# The distributions of this project that implement each op (gla-ref's `reference` serves every op).
-OP_PROVIDERS = {
-    "simple_gla": ("gla-simple", "gla-fused"),
-    "gla": ("gla-simple",),
-    "kda": ("gla-kda",),
-    "kda_gate": ("gla-kda",),
-}
 FIRST_PARTY_DISTRIBUTIONS = frozenset({"gla-core", "gla-ref", "gla-simple", "gla-fused", "gla-kda"})
 
 
@@ -33,7 +25,7 @@ class Call:
     `[batch, seq_len, num_value_heads, key_dim]` and `value_dim` is None.
 
     Attributes:
-      op: one of `OPS`.
+      op: the op's name (see `gla_core.ops`).
       dtype: dtype name of the main inputs (q, k, v; g for kda_gate), e.g. "bfloat16".
       gates: which gate arguments are given: a subset of {"g", "g_gamma", "gk"}.
         For simple_gla, {"g", "g_gamma"} means a per-step decay of g + g_gamma.
@@ -111,11 +103,12 @@ class Implementation:
     """One way of serving an op.
 
     Attributes:
-      op: the op served, one of `OPS`.
+      op: the op served (an installed op, see `gla_core.ops`).
       name: short name, unique per op (`impl="name"` selects it).
-      fn: called as `fn(*arrays, **normalized_kwargs)` with every keyword of the op
-        filled in by validation (see `gla_core.ops`); returns what the op returns.
-        It owns its backward (`jax.custom_vjp`) so `jax.grad` through dispatch works.
+      fn: `fn(arguments)` with the op's validated arguments record (`OpSpec.arguments`: every
+        array and keyword of the op, normalized, plus `interpret` and `options`); returns what
+        the op returns. The registry runs it under `jax.jit` (static fields of the record are
+        static). It owns its backward (`jax.custom_vjp`) so `jax.grad` through dispatch works.
       priority: higher wins among accepting implementations of one op.
       backends: the backends it runs on natively.
       package: the distribution that provides it, for `gla list`.
@@ -124,6 +117,8 @@ class Implementation:
         mode when the call asks for it (`interpret=True`, `GLA_INTERPRET=1`,
         `gla_core.use(interpret=True)`).
       description: one line for `gla list`.
+      options: the per-call options it takes (`gla_core.options.Option`), validated by their
+        `check` and passed as `arguments.options`.
     """
 
     op: str
@@ -135,6 +130,8 @@ class Implementation:
     supports: Callable[[Call], str | None] = accept_every_call
     interpretable: bool = False
     description: str = ""
+    options: tuple[Any, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "backends", frozenset(self.backends))
+        object.__setattr__(self, "options", tuple(self.options))

@@ -1,13 +1,16 @@
-"""The plugin registry: discovers implementations through pluggy and keeps them.
+"""The plugin registry: discovers ops and implementations through pluggy and keeps them.
 
-Plugins are modules registered under the entry-point group `gla`. Each entry point is
-loaded on its own: one that fails to import or raises in its hook is skipped whole; an
-invalid record is skipped alone. Records that conflict (same op and name, or same op and
-priority) are settled independently of load order: the implementations of gla's own
-distributions (`FIRST_PARTY_DISTRIBUTIONS`) are never displaced by another plugin's, and
-two conflicting records of other plugins are both rejected. Every skipped plugin or record is
-reported in `failures` (shown by `gla list`) and warned about (`PluginWarning`).
-`GLA_PLUGINS` (comma-separated entry-point names) restricts which entry points load.
+Plugins are modules registered under the entry-point group `gla`. Loading runs in two passes:
+every plugin's ops (`gla_ops`, gla-core's own `attention_ops` first), then every plugin's
+implementations (`gla_implementations`). Each entry point is loaded on its own: one that fails
+to import or raises in a hook is skipped whole; an invalid record is skipped alone; an
+implementation of an op no installed plugin defines is set aside (`inapplicable`). Records that
+conflict (same op and name, or same op and priority) are settled independently of load order:
+the implementations of gla's own distributions (`FIRST_PARTY_DISTRIBUTIONS`) are never
+displaced by another plugin's, and conflicting records of other plugins are all rejected. Every
+skipped plugin or record is reported in `failures` (shown by `gla list`) and warned about
+(`PluginWarning`). `GLA_PLUGINS` (comma-separated entry-point names) restricts which entry
+points load. Every implementation runs jitted (`runner`).
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ import warnings
 from collections.abc import Iterable
 from importlib import metadata
 
+import jax
 import pluggy
 
-from gla_core import hookspecs
-from gla_core.errors import PluginWarning, RegistrationError
-from gla_core.records import BACKENDS, FIRST_PARTY_DISTRIBUTIONS, OPS, Implementation
+from gla_core import attention_ops, hookspecs
+from gla_core.errors import PluginWarning, RegistrationError, UnknownOpError
+from gla_core.ops import OpSpec
+from gla_core.records import BACKENDS, FIRST_PARTY_DISTRIBUTIONS, Implementation
 
 ENTRY_POINT_GROUP = "gla"
 PLUGINS_ENV = "GLA_PLUGINS"
@@ -39,33 +44,47 @@ class PluginFailure:
 
 
 class Registry:
-    """Implementations contributed by plugins, with the failures met while loading them."""
+    """Ops and implementations contributed by plugins, with the failures met while loading them."""
 
     def __init__(self) -> None:
         self._manager = pluggy.PluginManager(hookspecs.PROJECT)
         self._manager.add_hookspecs(hookspecs)
+        self._ops: dict[str, OpSpec] = {}
+        self._op_plugins: dict[str, str] = {}
         self._implementations: list[Implementation] = []
+        self._runners: dict[tuple[str, str], object] = {}
         self._failures: list[PluginFailure] = []
         self._skipped: list[str] = []
+        self._inapplicable: list[tuple[str, Implementation]] = []
+        self.register(attention_ops, name="gla_core.attention_ops")
 
     # ----------------------------------------------------------------- loading
 
     def register(self, plugin: object, name: str | None = None) -> list[Implementation]:
-        """Registers one plugin (a module or object with `@hookimpl` functions).
+        """Registers one plugin (a module or object with `@hookimpl` functions): its ops, then its
+        implementations.
 
-        Returns the implementations it added. Raises `RegistrationError` when its hook
-        raises or returns invalid or conflicting records; the plugin is then not kept.
+        Returns the implementations it added. Raises `RegistrationError` when a hook raises or
+        returns invalid or conflicting records (including an implementation of an unknown op);
+        the plugin is then not kept.
         """
         name = name or getattr(plugin, "__name__", None) or repr(plugin)
         if self._manager.is_registered(plugin) or self._manager.get_plugin(name) is not None:
             raise RegistrationError(f"plugin {name!r} is already registered")
         self._manager.register(plugin, name=name)
         try:
-            added = self._collect(plugin, name)
+            ops = self._hook_ops(plugin, name)
+            for spec in ops:
+                self._check_op(spec, name, self._ops)
+            known = {**self._ops, **{spec.name: spec for spec in ops}}
+            added = self._collect(plugin, name, known)
         except Exception:
             self._manager.unregister(plugin)
             raise
-        self._implementations.extend(added)
+        for spec in ops:
+            self._add_op(spec, name)
+        for record in added:
+            self._add(record)
         return added
 
     def load_entry_points(self, allowed: Iterable[str] | None = None) -> None:
@@ -82,39 +101,62 @@ class Registry:
                     PluginWarning,
                     stacklevel=2,
                 )
-        offers: list[_Offer] = []
+        loaded = []
         for entry_point in entry_points:
             if allowed is not None and entry_point.name not in allowed:
                 self._skipped.append(entry_point.name)
                 continue
-            offers.extend(self._offers_of(entry_point))
+            plugin = self._load(entry_point)
+            if plugin is not None:
+                loaded.append((entry_point, plugin))
+        for entry_point, plugin in loaded:  # pass 1: ops
+            try:
+                ops = self._hook_ops(plugin, entry_point.name)
+            except RegistrationError as error:
+                self._fail(entry_point.name, str(error))
+                continue
+            for spec in ops:
+                try:
+                    self._check_op(spec, entry_point.name, self._ops)
+                except RegistrationError as error:
+                    self._fail(entry_point.name, str(error))
+                    continue
+                self._add_op(spec, entry_point.name)
+        offers: list[_Offer] = []
+        for entry_point, plugin in loaded:  # pass 2: implementations
+            offers.extend(self._offers_of(entry_point, plugin))
         for offer, reason in _settle_conflicts(offers, self._implementations):
             if reason is None:
-                self._implementations.append(offer.record)
+                self._add(offer.record)
             else:
                 self._fail(offer.plugin, f"implementation {offer.record.op}/{offer.record.name} rejected: {reason}")
 
-    def _offers_of(self, entry_point) -> list[_Offer]:
-        """The valid records of one entry point; import and hook failures are reported."""
-        name = entry_point.name
+    def _load(self, entry_point):
+        """The plugin module of an entry point, registered with pluggy; None (reported) when it fails."""
         try:
             plugin = entry_point.load()
+            self._manager.register(plugin, name=entry_point.name)
         except Exception as error:
-            self._fail(name, f"import failed: {type(error).__name__}: {error}")
-            return []
+            self._fail(entry_point.name, f"import failed: {type(error).__name__}: {error}")
+            return None
+        return plugin
+
+    def _offers_of(self, entry_point, plugin) -> list[_Offer]:
+        """The valid records of one loaded entry point; hook failures and bad records are reported."""
+        name = entry_point.name
         try:
-            self._manager.register(plugin, name=name)
             records = self._hook_records(plugin, name)
         except Exception as error:
-            if self._manager.is_registered(plugin):
-                self._manager.unregister(plugin)
             self._fail(name, f"{type(error).__name__}: {error}")
             return []
         first_party = _distribution_name(entry_point) in FIRST_PARTY_DISTRIBUTIONS
         offers = []
         for record in records:
+            if isinstance(record, Implementation) and record.op not in self._ops:
+                self._inapplicable.append((name, record))
+                continue
             try:
-                self._check(record, name, [])
+                self._check(record, name, [], self._ops)
             except RegistrationError as error:
                 self._fail(name, str(error))
                 continue
@@ -125,37 +167,60 @@ class Registry:
         self._failures.append(PluginFailure(plugin, error))
         warnings.warn(f"gla plugin {plugin!r} skipped: {error}", PluginWarning, stacklevel=3)
 
-    def _hook_records(self, plugin: object, name: str) -> list:
-        hooks = [h for h in self._manager.hook.gla_implementations.get_hookimpls() if h.plugin is plugin]
-        records: list = []
+    def _add_op(self, spec: OpSpec, plugin: str) -> None:
+        self._ops[spec.name] = spec
+        self._op_plugins[spec.name] = plugin
+
+    def _add(self, record: Implementation) -> None:
+        self._implementations.append(record)
+        self._runners[(record.op, record.name)] = jax.jit(record.fn)
+
+    def _hook_results(self, hook_name: str, plugin: object, name: str) -> list:
+        hooks = [h for h in getattr(self._manager.hook, hook_name).get_hookimpls() if h.plugin is plugin]
+        results: list = []
         for hook in hooks:
             try:
                 returned = hook.function()
             except Exception as error:
                 raise RegistrationError(
-                    f"plugin {name!r}: gla_implementations() raised {type(error).__name__}: {error}"
+                    f"plugin {name!r}: {hook_name}() raised {type(error).__name__}: {error}"
                 ) from error
             if not isinstance(returned, (list, tuple)):
                 raise RegistrationError(
-                    f"plugin {name!r}: gla_implementations() must return a list of Implementation, "
-                    f"got {type(returned).__name__}"
+                    f"plugin {name!r}: {hook_name}() must return a list, got {type(returned).__name__}"
                 )
-            records.extend(returned)
-        return records
+            results.extend(returned)
+        return results
 
-    def _collect(self, plugin: object, name: str) -> list[Implementation]:
+    def _hook_records(self, plugin: object, name: str) -> list:
+        return self._hook_results("gla_implementations", plugin, name)
+
+    def _hook_ops(self, plugin: object, name: str) -> list:
+        return self._hook_results("gla_ops", plugin, name)
+
+    def _collect(self, plugin: object, name: str, ops: dict[str, OpSpec]) -> list[Implementation]:
         records = self._hook_records(plugin, name)
         for record in records:
-            self._check(record, name, [*self._implementations, *records[: records.index(record)]])
+            self._check(record, name, [*self._implementations, *records[: records.index(record)]], ops)
         return records
 
+    def _check_op(self, spec: object, plugin: str, existing: dict[str, OpSpec]) -> None:
+        if not isinstance(spec, OpSpec):
+            raise RegistrationError(
+                f"plugin {plugin!r}: gla_ops() must return OpSpec records, got {type(spec).__name__}"
+            )
+        if spec.name in existing:
+            raise RegistrationError(
+                f"plugin {plugin!r}: op {spec.name!r} is already defined by plugin {self._op_plugins[spec.name]!r}"
+            )
+
     @staticmethod
-    def _check(record: object, plugin: str, existing: list[Implementation]) -> None:
+    def _check(record: object, plugin: str, existing: list[Implementation], ops: dict[str, OpSpec]) -> None:
         if not isinstance(record, Implementation):
             raise RegistrationError(f"plugin {plugin!r}: expected Implementation records, got {type(record).__name__}")
         where = f"plugin {plugin!r}, implementation {record.op}/{record.name}"
-        if record.op not in OPS:
-            raise RegistrationError(f"{where}: op must be one of {list(OPS)}, got {record.op!r}")
+        if record.op not in ops:
+            raise RegistrationError(f"{where}: op must be one of the installed ops {list(ops)}, got {record.op!r}")
         if not record.name or not isinstance(record.name, str):
             raise RegistrationError(f"{where}: name must be a non-empty string, got {record.name!r}")
         if not isinstance(record.priority, int) or isinstance(record.priority, bool):
@@ -183,8 +248,28 @@ class Registry:
 
     def implementations(self, op: str | None = None) -> tuple[Implementation, ...]:
         """Registered implementations (of `op` when given), highest priority first."""
+        order = list(self._ops)
         chosen = [i for i in self._implementations if op is None or i.op == op]
-        return tuple(sorted(chosen, key=lambda i: (OPS.index(i.op), -i.priority)))
+        return tuple(sorted(chosen, key=lambda i: (order.index(i.op), -i.priority)))
+
+    def ops(self) -> tuple[str, ...]:
+        """The installed ops, in the order they were defined."""
+        return tuple(self._ops)
+
+    def op(self, name: str) -> OpSpec:
+        """The spec of op `name`; `UnknownOpError` listing the installed ops when there is none."""
+        if name not in self._ops:
+            raise UnknownOpError(f"op: expected one of the installed ops {sorted(self._ops)}, got {name!r}")
+        return self._ops[name]
+
+    def runner(self, implementation: Implementation):
+        """`jax.jit(implementation.fn)`: every implementation runs on its arguments record this way."""
+        return self._runners[(implementation.op, implementation.name)]
+
+    @property
+    def inapplicable(self) -> tuple[tuple[str, Implementation], ...]:
+        """(plugin, implementation) of ops that no installed plugin defines; not registered."""
+        return tuple(self._inapplicable)
 
     @property
     def failures(self) -> tuple[PluginFailure, ...]:

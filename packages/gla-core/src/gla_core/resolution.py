@@ -10,7 +10,8 @@ import dataclasses
 from collections.abc import Iterable
 
 from gla_core.errors import ImplementationDeclinedError, NoImplementationError, UnknownImplementationError
-from gla_core.records import OP_PROVIDERS, Call, Implementation
+from gla_core.options import NO_OPTIONS, ImplOptions
+from gla_core.records import Call, Implementation
 
 INTERPRET_HINT = (
     "to run it here in TPU interpret mode pass interpret=True, set GLA_INTERPRET=1 "
@@ -38,11 +39,14 @@ class Resolution:
     candidates: tuple[Candidate, ...]
     winner: Implementation | None
     forced_by: str | None = None
+    providers: tuple[str, ...] = ()
+    options: ImplOptions = NO_OPTIONS
+    among: tuple[str, ...] | None = None
 
     def chosen(self) -> Implementation:
         """The winner, or `NoImplementationError` listing why each candidate declined."""
         if not self.candidates:
-            providers = " or ".join(OP_PROVIDERS.get(self.call.op, ()))
+            providers = " or ".join(self.providers)
             raise NoImplementationError(
                 f"{self.call.op}: no implementation is registered (is the package that provides it installed? "
                 f"pip install {providers or 'a gla plugin for this op'}; `gla list` shows plugins that failed to load)"
@@ -67,6 +71,10 @@ class Resolution:
             lines.append(f"{mark} {impl.name:<16} priority {impl.priority:>4}  {verdict}")
         if self.forced_by:
             lines.append(f"  (forced by {self.forced_by})")
+        if self.among is not None:
+            lines.append(f"  (only among {', '.join(self.among)}; overrides do not apply)")
+        if self.winner is not None and self.options.values:
+            lines.append(f"  options of {self.winner.name}: {self.options.describe()}")
         return "\n".join(lines)
 
 
@@ -83,7 +91,12 @@ def eligibility(implementation: Implementation, call: Call) -> str | None:
         return f"its supports() check raised {type(error).__name__}: {error}"
 
 
-def resolve(call: Call, implementations: Iterable[Implementation], forced: tuple[str, str] | None = None) -> Resolution:
+def resolve(
+    call: Call,
+    implementations: Iterable[Implementation],
+    forced: tuple[str, str] | None = None,
+    providers: tuple[str, ...] = (),
+) -> Resolution:
     """Chooses the implementation for `call`.
 
     Args:
@@ -91,6 +104,7 @@ def resolve(call: Call, implementations: Iterable[Implementation], forced: tuple
       implementations: every registered implementation (of any op).
       forced: `(name, source)` when an implementation is forced by `impl=`, `use()` or
         the environment; `source` says which, for error messages.
+      providers: the distributions that implement the op, named when none is registered.
 
     Returns:
       The resolution. A forced implementation wins if it accepts; otherwise
@@ -101,7 +115,7 @@ def resolve(call: Call, implementations: Iterable[Implementation], forced: tuple
     candidates = tuple(Candidate(impl, eligibility(impl, call)) for impl in ranked)
     if forced is None:
         winner = next((c.implementation for c in candidates if c.accepted), None)
-        return Resolution(call, candidates, winner)
+        return Resolution(call, candidates, winner, providers=providers)
     name, source = forced
     match = next((c for c in candidates if c.implementation.name == name), None)
     if match is None:
@@ -115,4 +129,4 @@ def resolve(call: Call, implementations: Iterable[Implementation], forced: tuple
             f"({call.describe()}): {match.reason}",
             match.reason,
         )
-    return Resolution(call, candidates, match.implementation, forced_by=source)
+    return Resolution(call, candidates, match.implementation, forced_by=source, providers=providers)

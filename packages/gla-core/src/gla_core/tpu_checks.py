@@ -22,6 +22,8 @@ import jax
 from gla_core.overrides import use
 
 TOPOLOGIES = {"v5e": "v5e:2x2", "v6e": "v6e:2x2"}
+# Mosaic's default scoped VMEM limit per chip: a kernel above it needs `vmem_limit_bytes`.
+DEFAULT_SCOPED_VMEM_BYTES = {"v5e": 16 * 2**20, "v6e": 32 * 2**20}
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 

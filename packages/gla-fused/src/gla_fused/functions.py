@@ -17,15 +17,10 @@ from __future__ import annotations
 
 import jax
 
-import gla_core
-from gla_core.dispatch import first_accepting
+from gla_core.kit import dispatch_by_name
 
+# `fused_chunk_simple_gla` runs the first of these (by priority) that accepts the call.
 FAMILY = ("fused_g_gamma", "fused_chunk", "chunk", "xla")
-
-
-def fused_chunk_implementation(q, k, v, **kwargs) -> str:
-    """The implementation `fused_chunk_simple_gla` uses for this call (the first of `FAMILY` that accepts)."""
-    return first_accepting("simple_gla", FAMILY, q, k, v, **kwargs)
 
 
 def fused_chunk_simple_gla(
@@ -58,14 +53,4 @@ def fused_chunk_simple_gla(
 
     Implementation: see the module doc (`fused_g_gamma`, `fused_chunk`, then `chunk`, `xla`).
     """
-    kwargs = dict(
-        g=g,
-        g_gamma=g_gamma,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
-        chunk_size=chunk_size,
-    )
-    impl = fused_chunk_implementation(q, k, v, **kwargs)
-    return gla_core.dispatch("simple_gla", q, k, v, impl=impl, **kwargs)
+    return dispatch_by_name("simple_gla", locals(), among=FAMILY)

@@ -18,8 +18,6 @@ import numpy as np
 import pytest
 
 import gla_core
-from gla_core.chunk import BlockSizes
-from gla_fused.fused_chunk import fused_chunk_attention
 from gla_fused.fused_chunk.pipeline import FusedConfig
 from gla_ref.testing import TOLERANCES, assert_close, check_against_oracle, cotangents, make_case, oracle
 
@@ -30,18 +28,15 @@ def _with_inputs(case, **inputs):
     return dataclasses.replace(case, inputs={**case.inputs, **inputs})
 
 
-def dispatched(interpret: bool):
-    """`fn(**case.kwargs())` through dispatch, forcing `fused_chunk`."""
-    return lambda **kwargs: gla_core.dispatch("simple_gla", impl="fused_chunk", interpret=interpret, **kwargs)
+def dispatched(interpret: bool, **options):
+    """`fn(**case.kwargs())` through dispatch, forcing `fused_chunk` with per-call `options`
+    (num_steps, block_v, block_k)."""
 
-
-def direct(interpret: bool, **options):
-    """`fn(**case.kwargs())` calling the pipeline with extra options (num_steps, block_sizes)."""
-
-    def fn(*, cu_seqlens, **kwargs):
-        if cu_seqlens is not None:
-            raise ValueError("fixed-length cases only")
-        return fused_chunk_attention(**kwargs, interpret=interpret, **options)
+    def fn(**kwargs):
+        impl_options = {"fused_chunk": options}
+        return gla_core.dispatch(
+            "simple_gla", impl="fused_chunk", interpret=interpret, impl_options=impl_options, **kwargs
+        )
 
     return fn
 
@@ -113,8 +108,7 @@ def test_partial_num_steps_and_two_value_tiles_match_oracle(interpret):
     )
     q, v = case.inputs["q"], case.inputs["v"]
     assert FusedConfig.create(q, v, chunk_size=16, num_steps=4).num_steps == 3
-    blocks = BlockSizes(block_v=128, block_k=128)
-    errors = check_against_oracle(direct(interpret, num_steps=4, block_sizes=blocks), case)
+    errors = check_against_oracle(dispatched(interpret, num_steps=4, block_v=128, block_k=128), case)
     assert set(errors) == {"o", "final_state", "dq", "dk", "dv", "dg", "dinitial_state"}
 
 
@@ -154,7 +148,7 @@ def test_num_steps_give_identical_results(interpret):
         output_final_state=True,
         seed=3,
     )
-    results = {steps: _outputs_and_grads(direct(interpret, num_steps=steps), case) for steps in (4, 2, 1)}
+    results = {steps: _outputs_and_grads(dispatched(interpret, num_steps=steps), case) for steps in (4, 2, 1)}
     reference = oracle(case)
     expected = {**reference.outputs, **reference.grads}
     assert set(results[4]) == set(expected)

@@ -17,11 +17,10 @@ import jax.numpy as jnp
 import pytest
 
 import gla_core
-from gla_core.tpu_checks import compile_for_tpu, export_for_tpu
+from gla_core.kit import DEFAULT_SCOPED_VMEM_BYTES, compile_for_tpu, export_for_tpu
 
 BATCH, SEQ_LEN, HEADS, DIM = 2, 4096, 16, 128
 # Mosaic's default scoped VMEM limit per kernel (without --xla_tpu_scoped_vmem_limit_kib).
-DEFAULT_SCOPED_VMEM = {"v5e": 16 * 2**20, "v6e": 32 * 2**20}
 FORWARD_KERNELS = ("fused_chunk_fwd",)
 TRAINING_KERNELS = ("fused_chunk_fwd", "chunk_fwd_h", "fused_chunk_bwd_dhdv", "chunk_bwd_dqkg")
 GATES = ("g", "g_gamma")
@@ -84,7 +83,7 @@ def test_fused_chunk_vmap_exports_for_tpu():
 
 
 @pytest.mark.tpu_compile
-@pytest.mark.parametrize("chip", sorted(DEFAULT_SCOPED_VMEM))
+@pytest.mark.parametrize("chip", sorted(DEFAULT_SCOPED_VMEM_BYTES))
 @pytest.mark.parametrize("gate", GATES)
 def test_fused_chunk_compiles_for_tpu(gate, chip):
     forward, train, forward_structs, train_structs = _problem(gate)
@@ -95,5 +94,5 @@ def test_fused_chunk_compiles_for_tpu(gate, chip):
     assert tuple(kernel.name for kernel in forward_report.kernels) == FORWARD_KERNELS
     assert sorted(kernel.name for kernel in report.kernels) == sorted(TRAINING_KERNELS)
     for kernel in (*forward_report.kernels, *report.kernels):
-        assert 0 < kernel.scoped_vmem_bytes <= DEFAULT_SCOPED_VMEM[chip], kernel
+        assert 0 < kernel.scoped_vmem_bytes <= DEFAULT_SCOPED_VMEM_BYTES[chip], kernel
         assert kernel.flops and kernel.bytes_accessed, kernel

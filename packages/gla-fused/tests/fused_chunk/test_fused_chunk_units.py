@@ -9,6 +9,7 @@ import pytest
 
 import gla_core
 from gla_core.errors import InvalidArgumentError
+from gla_core.kit import op_spec
 from gla_fused.fused_chunk import impl
 from gla_fused.fused_chunk.steps import effective_num_steps
 
@@ -39,7 +40,7 @@ def _candidate(resolution, name: str):
 def test_fused_chunk_is_registered_for_tpu():
     (fused,) = [i for i in gla_core.implementations("simple_gla") if i.name == "fused_chunk"]
     assert (fused.priority, fused.backends, fused.package) == (110, frozenset({"tpu"}), "gla-fused")
-    assert fused.interpretable and fused.fn is impl.simple_gla
+    assert fused.interpretable and fused.fn is impl.run
 
 
 def test_supports_declines_varlen_and_float64_with_reasons():
@@ -76,16 +77,67 @@ def test_forcing_fused_chunk_on_varlen_fails_with_the_reason():
 def test_direct_varlen_call_raises_naming_cu_seqlens():
     q = jnp.zeros((1, 32, 1, 16), jnp.float32)
     with pytest.raises(InvalidArgumentError, match="cu_seqlens"):
-        impl.simple_gla(
-            q,
-            q,
-            q,
-            g=None,
-            g_gamma=None,
-            scale=0.25,
-            initial_state=None,
-            output_final_state=False,
-            cu_seqlens=jnp.array([0, 10, 32], jnp.int32),
-            chunk_size=16,
-            interpret=True,
+        impl.run(
+            op_spec("simple_gla").arguments(
+                q=q,
+                k=q,
+                v=q,
+                g=None,
+                g_gamma=None,
+                scale=0.25,
+                initial_state=None,
+                output_final_state=False,
+                cu_seqlens=jnp.array([0, 10, 32], jnp.int32),
+                chunk_size=16,
+                interpret=True,
+                options=None,
+            )
         )
+
+
+def _pallas_grids(jaxpr) -> list[tuple[int, ...]]:
+    """The grid of every `pallas_call` in `jaxpr` and its sub-jaxprs."""
+    grids = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            grids.append(tuple(eqn.params["grid_mapping"].grid))
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                grids.extend(_pallas_grids(inner))
+    return grids
+
+
+@pytest.mark.parametrize(("num_steps", "time_steps"), [(1, 8), (2, 4), (4, 2), (8, 1)])
+def test_num_steps_option_sets_the_kernels_grid(num_steps, time_steps):
+    """T = 128 at chunk 16 is 8 chunks: `impl_options` num_steps reaches the forward kernel's grid."""
+    q = jnp.zeros((1, 128, 1, 32))
+    g = jnp.zeros((1, 128, 1))
+
+    def forward(q, k, v, g):
+        options = {"fused_chunk": {"num_steps": num_steps}}
+        o, _ = gla_core.dispatch(
+            "simple_gla", q, k, v, g=g, chunk_size=16, impl="fused_chunk", interpret=True, impl_options=options
+        )
+        return o
+
+    (grid,) = _pallas_grids(jax.make_jaxpr(forward)(q, q, q, g).jaxpr)
+    assert grid[-1] == time_steps
+
+
+def test_explain_shows_fused_chunk_options():
+    (q, k, v), g = _structs()
+    with gla_core.use(backend="tpu"):
+        resolution = gla_core.explain("simple_gla", q, k, v, g=g, impl_options={"fused_chunk": {"num_steps": 2}})
+    assert resolution.winner.name == "fused_chunk"
+    assert resolution.options.describe() == "block_k=256 (default), block_v=256 (default), num_steps=2"
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [({"block_v": 96}, "block_v: expected a positive multiple of 128, got 96"), ({"num_steps": 0}, "num_steps")],
+)
+def test_bad_fused_chunk_options_are_rejected(options, message):
+    (q, k, v), g = _structs()
+    with gla_core.use(backend="tpu"), pytest.raises(InvalidArgumentError, match=message):
+        gla_core.explain("simple_gla", q, k, v, g=g, impl_options={"fused_chunk": options})

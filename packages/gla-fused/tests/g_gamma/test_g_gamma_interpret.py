@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 import gla_core
-from gla_core.chunk import BlockSizes
+from gla_core.kit import BlockSizes
 from gla_fused.g_gamma import fused_g_gamma_attention
 from gla_ref.testing import check_against_oracle, make_case
 

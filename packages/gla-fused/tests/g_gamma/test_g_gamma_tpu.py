@@ -19,11 +19,10 @@ import jax.numpy as jnp
 import pytest
 
 import gla_core
-from gla_core.tpu_checks import compile_for_tpu, export_for_tpu
+from gla_core.kit import DEFAULT_SCOPED_VMEM_BYTES, compile_for_tpu, export_for_tpu
 
 BATCH, SEQ_LEN, HEADS, DIM = 2, 4096, 16, 128
 # Mosaic's default scoped VMEM limit per kernel (without --xla_tpu_scoped_vmem_limit_kib).
-DEFAULT_SCOPED_VMEM = {"v5e": 16 * 2**20, "v6e": 32 * 2**20}
 KERNELS = ["fused_g_gamma_fwd", "fused_g_gamma_bwd"]
 
 
@@ -90,7 +89,7 @@ def test_fused_g_gamma_vmap_exports_for_tpu(g_gamma_mapped):
 
 
 @pytest.mark.tpu_compile
-@pytest.mark.parametrize("chip", sorted(DEFAULT_SCOPED_VMEM))
+@pytest.mark.parametrize("chip", sorted(DEFAULT_SCOPED_VMEM_BYTES))
 @pytest.mark.parametrize("chunk_size", [16, 64, 128])
 def test_fused_g_gamma_compiles_for_tpu(chunk_size, chip):
     step = functools.partial(train, chunk_size=chunk_size)
@@ -98,4 +97,4 @@ def test_fused_g_gamma_compiles_for_tpu(chunk_size, chip):
     print(f"\nfused_g_gamma training step, chunk {chunk_size}, {report.summary()}, temp bytes {report.temp_bytes}")
     assert sorted(kernel.name for kernel in report.kernels) == sorted(KERNELS)
     for kernel in report.kernels:
-        assert 0 < kernel.scoped_vmem_bytes <= DEFAULT_SCOPED_VMEM[chip], kernel
+        assert 0 < kernel.scoped_vmem_bytes <= DEFAULT_SCOPED_VMEM_BYTES[chip], kernel

@@ -7,12 +7,9 @@ arguments, errors and gradients are those of the op `kda` / `kda_gate`.
 from __future__ import annotations
 
 import gla_core
-from gla_core.dispatch import first_accepting
+from gla_core.kit import dispatch_by_name
 
-
-def _chunk_implementation(arrays, kwargs) -> str:
-    """ "chunk" (Pallas TPU) when it is registered and accepts the call, else "xla"."""
-    return first_accepting("kda", ("chunk", "xla"), *arrays, **kwargs)
+CHUNK_FAMILY = ("chunk", "xla")  # chunk_kda: the Pallas chunk pipeline when it accepts, else the XLA one
 
 
 def chunk_kda(
@@ -75,24 +72,7 @@ def chunk_kda(
       >>> o.shape, ht.shape
       ((1, 128, 4, 64), (1, 4, 64, 64))
     """
-    arrays = (q, k, v)
-    kwargs = dict(
-        g=g,
-        beta=beta,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel,
-        cu_seqlens=cu_seqlens,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        lower_bound=lower_bound,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        chunk_size=chunk_size,
-        interpret=interpret,
-    )
-    return gla_core.dispatch("kda", *arrays, impl=_chunk_implementation(arrays, kwargs), **kwargs)
+    return dispatch_by_name("kda", locals(), among=CHUNK_FAMILY)
 
 
 def fused_recurrent_kda(
@@ -125,25 +105,7 @@ def fused_recurrent_kda(
       >>> o, state = fused_recurrent_kda(q_t, k_t, v_t, g_t, beta_t, initial_state=state, output_final_state=True)
       >>> # q_t, k_t [8, 1, H, K]; v_t [8, 1, HV, V]; g_t [8, 1, HV, K]; beta_t [8, 1, HV]; state [8, HV, K, V]
     """
-    return gla_core.dispatch(
-        "kda",
-        q,
-        k,
-        v,
-        impl="recurrent",
-        g=g,
-        beta=beta,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel,
-        cu_seqlens=cu_seqlens,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        lower_bound=lower_bound,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-    )
+    return dispatch_by_name("kda", locals(), impl="recurrent")
 
 
 def fused_kda_gate(g, A_log, dt_bias=None, lower_bound=None, output_dtype=None):

@@ -12,8 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from gla_core import Call, Implementation
-from gla_core.tpu import unsupported_dtype_reason
+from gla_core import Call
+from gla_core.kit import unsupported_dtype_reason
 from gla_kda.empty import empty_result, has_no_tokens
 from gla_kda.gate import kda_gate
 from gla_kda.inputs import floor_log_decay
@@ -31,48 +31,31 @@ def _kernel_dtype(dtype) -> jnp.dtype:
     return jnp.dtype(jnp.bfloat16) if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(jnp.float32)
 
 
-def kda_chunk(
-    q,
-    k,
-    v,
-    *,
-    g,
-    beta,
-    scale: float,
-    initial_state=None,
-    output_final_state: bool = False,
-    cu_seqlens=None,
-    chunk_size: int = 64,
-    use_qk_l2norm_in_kernel: bool = False,
-    use_gate_in_kernel: bool = False,
-    A_log=None,
-    dt_bias=None,
-    lower_bound=None,
-    use_beta_sigmoid_in_kernel: bool = False,
-    interpret: bool = False,
-):
-    """Kimi Delta Attention with the Pallas chunk kernels.
+def kda_chunk(args):
+    """Kimi Delta Attention with the Pallas chunk kernels, on the call's validated arguments record:
+    q, k [B, T, H, K]; v [B, T, HV, V] (HV a multiple of H); g [B, T, HV, K] log decay, or the raw
+    gate input when `use_gate_in_kernel` (with A_log [HV], dt_bias [HV*K], lower_bound); beta
+    [B, T, HV] (logits when `use_beta_sigmoid_in_kernel`); initial_state [N, HV, K, V]; cu_seqlens
+    int32 [N+1] (B == 1) or None.
 
-    Args (validated and normalized by `gla_core.dispatch`):
-      q, k: [B, T, H, K]; v: [B, T, HV, V] (HV a multiple of H); g: [B, T, HV, K] log decay,
-      or the raw gate input when `use_gate_in_kernel` (with A_log [HV], dt_bias [HV*K],
-      lower_bound); beta: [B, T, HV] (logits when `use_beta_sigmoid_in_kernel`);
-      initial_state: [N, HV, K, V]; cu_seqlens: int32 [N+1] (B == 1) or None.
     Returns:
       (o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 or None).
     """
+    q, k, v, g, beta = args.q, args.k, args.v, args.g, args.beta
+    initial_state, cu_seqlens, chunk_size = args.initial_state, args.cu_seqlens, args.chunk_size
+    output_final_state = args.output_final_state
     batch, seq_len, num_heads, key_dim = q.shape
     num_value_heads, value_dim = v.shape[2], v.shape[3]
     if has_no_tokens(v):
         return empty_result(v, key_dim, initial_state, output_final_state, cu_seqlens, jnp.float32)
     kernel_dtype, out_dtype = _kernel_dtype(q.dtype), v.dtype
-    if use_qk_l2norm_in_kernel:
+    if args.use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
-    if use_gate_in_kernel:
-        g = kda_gate(g, A_log, dt_bias, lower_bound, output_dtype=jnp.float32)
+    if args.use_gate_in_kernel:
+        g = kda_gate(g, args.A_log, args.dt_bias, args.lower_bound, output_dtype=jnp.float32)
     g = floor_log_decay(g.astype(jnp.float32))
     beta = beta.astype(jnp.float32)
-    if use_beta_sigmoid_in_kernel:
+    if args.use_beta_sigmoid_in_kernel:
         beta = jax.nn.sigmoid(beta)
     guard, (q, k, v, g, beta, initial_state) = NonFiniteGuard.build(q, k, v, g, beta, initial_state, cu_seqlens)
 
@@ -81,10 +64,10 @@ def kda_chunk(
     config = PipelineConfig(
         kernel=KernelConfig(
             blocks=BlockSizes.for_chunk(chunk_size),
-            scale=float(scale),
+            scale=float(args.scale),
             group=num_value_heads // num_heads,
             input_dtype=kernel_dtype.name,
-            interpret=bool(interpret),
+            interpret=bool(args.interpret),
         ),
         has_initial_state=initial_state is not None,
         output_final_state=output_final_state,
@@ -115,19 +98,3 @@ def kda_chunk(
 def supports(call: Call) -> str | None:
     """Declines only what the kernels cannot run: float64 (no 64-bit floats on TPU)."""
     return unsupported_dtype_reason(call.dtype)
-
-
-def implementations() -> list[Implementation]:
-    return [
-        Implementation(
-            op="kda",
-            name="chunk",
-            fn=kda_chunk,
-            priority=PRIORITY,
-            backends={"tpu"},
-            package="gla-kda",
-            supports=supports,
-            interpretable=True,
-            description="Pallas TPU chunk pipeline: intra (I+Akk)^-1/Aqk, state, output; custom_vjp backward",
-        )
-    ]

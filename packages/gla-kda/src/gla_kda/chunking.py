@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gla_core.varlen import ChunkLayout, build_chunk_layout, from_chunks, to_chunks
+from gla_core.kit import ChunkLayout, build_chunk_layout, from_chunks, to_chunks
 
 
 def flat(x):

@@ -27,3 +27,11 @@ def empty_result(v, key_dim: int, initial_state, output_final_state: bool, cu_se
         num_states = v.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
         return o, jnp.zeros((num_states, v.shape[2], key_dim, v.shape[3]), state_dtype)
     return o, initial_state.astype(state_dtype)
+
+
+def result_without_tokens(args, state_dtype):
+    """`empty_result` of a kda arguments record that holds no token, else None."""
+    if not has_no_tokens(args.v):
+        return None
+    key_dim = args.q.shape[-1]
+    return empty_result(args.v, key_dim, args.initial_state, args.output_final_state, args.cu_seqlens, state_dtype)

@@ -19,8 +19,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from gla_core import Implementation
-
 
 def compute_dtype(dtype) -> jnp.dtype:
     """The dtype gate math runs in: float32, or float64 for float64 inputs."""
@@ -139,22 +137,6 @@ def kda_gate(g, A_log, dt_bias=None, lower_bound=None, output_dtype=jnp.float32)
     return _kda_gate(g, A_log, dt_bias, lb, jnp.dtype(output_dtype))
 
 
-def kda_gate_xla(g, *, A_log, dt_bias=None, lower_bound=None, output_dtype=jnp.float32, interpret=False):
-    """The `xla` implementation of op kda_gate: `kda_gate` with dispatch's keyword arguments."""
-    del interpret  # plain XLA: nothing to interpret
-    return kda_gate(g, A_log, dt_bias, lower_bound, output_dtype)
-
-
-def implementations() -> list[Implementation]:
-    """The `xla` implementation of kda_gate."""
-    return [
-        Implementation(
-            op="kda_gate",
-            name="xla",
-            fn=kda_gate_xla,
-            priority=50,
-            backends={"cpu", "gpu", "tpu"},
-            package="gla-kda",
-            description="fused elementwise jnp with a hand-written custom_vjp (g, A_log, dt_bias)",
-        )
-    ]
+def kda_gate_xla(args):
+    """The `xla` implementation of op kda_gate, on the call's validated arguments record."""
+    return kda_gate(args.g, args.A_log, args.dt_bias, args.lower_bound, args.output_dtype)

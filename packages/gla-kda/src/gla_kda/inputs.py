@@ -64,35 +64,24 @@ class Prepared:
     beta: jax.Array
 
 
-def prepare_inputs(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    *,
-    scale: float,
-    use_qk_l2norm_in_kernel: bool = False,
-    use_gate_in_kernel: bool = False,
-    A_log=None,
-    dt_bias=None,
-    lower_bound: float | None = None,
-    use_beta_sigmoid_in_kernel: bool = False,
-) -> Prepared:
-    """Applies the in-kernel options of kda (see the module docstring); shapes as in `Prepared`."""
-    dtype = compute_dtype(q.dtype)
-    q = q.astype(dtype)
-    k = k.astype(dtype)
-    if use_qk_l2norm_in_kernel:
+def prepare_inputs(args) -> Prepared:
+    """Applies the in-kernel options of a kda call's validated arguments record (see the module
+    docstring); shapes as in `Prepared`."""
+    dtype = compute_dtype(args.q.dtype)
+    q = args.q.astype(dtype)
+    k = args.k.astype(dtype)
+    if args.use_qk_l2norm_in_kernel:
         q = l2norm(q)
         k = l2norm(k)
-    q = q * scale
-    g = kda_gate(g, A_log, dt_bias, lower_bound, output_dtype=dtype) if use_gate_in_kernel else g.astype(dtype)
-    g = floor_log_decay(g)
-    beta = beta.astype(dtype)
-    if use_beta_sigmoid_in_kernel:
+    q = q * args.scale
+    g = args.g
+    if args.use_gate_in_kernel:
+        g = kda_gate(g, args.A_log, args.dt_bias, args.lower_bound, output_dtype=dtype)
+    g = floor_log_decay(g.astype(dtype))
+    beta = args.beta.astype(dtype)
+    if args.use_beta_sigmoid_in_kernel:
         beta = jax.nn.sigmoid(beta)
-    return Prepared(q=q, k=k, v=v.astype(dtype), g=g, beta=beta)
+    return Prepared(q=q, k=k, v=args.v.astype(dtype), g=g, beta=beta)
 
 
 def expand_value_heads(x, num_value_heads: int):

@@ -22,9 +22,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from gla_core import Implementation
 from gla_kda.chunking import ChunkGrid, select_initial_state, zero_state
-from gla_kda.empty import empty_result, has_no_tokens
+from gla_kda.empty import result_without_tokens
 from gla_kda.gate import compute_dtype
 from gla_kda.inputs import expand_value_heads, prepare_inputs
 from gla_kda.xla_intra import einsum
@@ -84,49 +83,18 @@ def recurrent_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, output_fin
     return o, jnp.where(grid.empty_sequences(), initial_state, final)
 
 
-def kda_recurrent(
-    q,
-    k,
-    v,
-    *,
-    g,
-    beta,
-    scale,
-    initial_state=None,
-    output_final_state=False,
-    cu_seqlens=None,
-    chunk_size=64,
-    use_qk_l2norm_in_kernel=False,
-    use_gate_in_kernel=False,
-    A_log=None,
-    dt_bias=None,
-    lower_bound=None,
-    use_beta_sigmoid_in_kernel=False,
-    interpret=False,
-):
-    """kda through the token-by-token scan; arguments as validated by `gla_core` (see `fused_recurrent_kda`).
+def kda_recurrent(args):
+    """kda through the token-by-token scan, on the call's validated arguments record.
 
     `chunk_size` only sets the checkpoint segment length of the backward.
     Returns (o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 (float64 for float64
     inputs) or None).
     """
-    del interpret  # plain XLA: nothing to interpret
-    if has_no_tokens(v):
-        return empty_result(v, q.shape[-1], initial_state, output_final_state, cu_seqlens, compute_dtype(q.dtype))
-    prepared = prepare_inputs(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        scale=scale,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        lower_bound=lower_bound,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-    )
+    empty = result_without_tokens(args, compute_dtype(args.q.dtype))
+    if empty is not None:
+        return empty
+    v, initial_state, cu_seqlens = args.v, args.initial_state, args.cu_seqlens
+    prepared = prepare_inputs(args)
     o, final = recurrent_delta_rule(
         prepared.q,
         prepared.k,
@@ -135,22 +103,7 @@ def kda_recurrent(
         prepared.beta,
         initial_state,
         cu_seqlens,
-        bool(output_final_state),
-        int(chunk_size),
+        args.output_final_state,
+        args.chunk_size,
     )
     return o.astype(v.dtype), final
-
-
-def implementations() -> list[Implementation]:
-    """The `recurrent` implementation of kda."""
-    return [
-        Implementation(
-            op="kda",
-            name="recurrent",
-            fn=kda_recurrent,
-            priority=10,
-            backends={"cpu", "gpu", "tpu"},
-            package="gla-kda",
-            description="lax.scan over time (decode path); autodiff backward with checkpointed segments",
-        )
-    ]

@@ -11,26 +11,23 @@ Pipeline (FLA's chunk_kda algorithm, see `gla_kda.xla_intra` for the math):
      per chunk), resetting the state at every sequence start;
   4. output `o = qg S + Aqk delta` for all chunks at once.
 
-Backward: `jax.custom_vjp` around steps 1b-4 (everything after the guard; `prepare_inputs`' pieces
-carry their own `custom_vjp`). The forward keeps the pullback of the chunked pipeline
-(`jax.vjp`), so the backward is the exact gradient of the computed function: the masked,
-cancellation-free decays keep every intermediate finite. What the pullback keeps is bounded:
-the per-sub-block [c, c, K] decay tensors (c = 8 times the size of k) are not stored but recomputed
-in the backward (`jax.checkpoint` in `gla_kda.xla_intra`); the rest is a few tensors of the
-size of q/k/v, the [C, C] score matrices and one state per chunk.
+Backward: plain JAX autodiff of this pipeline (a `custom_vjp` replaying `jax.vjp` was measured
+no faster and was removed), so the gradient is the exact gradient of the computed function: the
+masked, cancellation-free decays keep every intermediate finite. `prepare_inputs`' pieces carry
+their own stable `custom_vjp`s. The per-sub-block [c, c, K] decay tensors (c = 8 times the size
+of k) are not stored but recomputed in the backward (`jax.checkpoint` in `gla_kda.xla_intra`);
+the rest is a few tensors of the size of q/k/v, the [C, C] score matrices and one state per chunk.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 
-from gla_core import Implementation
 from gla_kda.chunking import ChunkGrid, flat, select_initial_state, zero_state
-from gla_kda.empty import empty_result, has_no_tokens
+from gla_kda.empty import result_without_tokens
 from gla_kda.gate import compute_dtype
 from gla_kda.inputs import expand_value_heads, prepare_inputs
 from gla_kda.nonfinite import NonFiniteGuard
@@ -119,90 +116,23 @@ def chunked_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, config: Chun
     return o, final
 
 
-# --------------------------------------------------------------------------- custom_vjp
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _chunked_delta_rule_vjp(q, k, v, g, beta, initial_state, cu_seqlens, config):
-    return chunked_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, config)
-
-
-def _forward(q, k, v, g, beta, initial_state, cu_seqlens, config):
-    run = functools.partial(chunked_delta_rule, cu_seqlens=cu_seqlens, config=config)
-    out, pullback = jax.vjp(run, q, k, v, g, beta, initial_state)
-    return out, pullback
-
-
-def _backward(config, pullback, cotangents):
-    return (*pullback(cotangents), None)
-
-
-_chunked_delta_rule_vjp.defvjp(_forward, _backward)
-
-
 # --------------------------------------------------------------------------- implementation
 
 
-def kda_xla(
-    q,
-    k,
-    v,
-    *,
-    g,
-    beta,
-    scale,
-    initial_state=None,
-    output_final_state=False,
-    cu_seqlens=None,
-    chunk_size=64,
-    use_qk_l2norm_in_kernel=False,
-    use_gate_in_kernel=False,
-    A_log=None,
-    dt_bias=None,
-    lower_bound=None,
-    use_beta_sigmoid_in_kernel=False,
-    interpret=False,
-):
-    """kda through the chunked `jnp` pipeline; arguments as validated by `gla_core` (see `chunk_kda`).
+def kda_xla(args):
+    """kda through the chunked `jnp` pipeline, on the call's validated arguments record.
 
     Returns (o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 (float64 for float64
     inputs) or None).
     """
-    del interpret  # plain XLA: nothing to interpret
-    if has_no_tokens(v):
-        return empty_result(v, q.shape[-1], initial_state, output_final_state, cu_seqlens, compute_dtype(q.dtype))
-    prepared = prepare_inputs(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        scale=scale,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        lower_bound=lower_bound,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-    )
-    config = ChunkConfig(chunk_size=int(chunk_size), output_final_state=bool(output_final_state))
+    empty = result_without_tokens(args, compute_dtype(args.q.dtype))
+    if empty is not None:
+        return empty
+    v, initial_state, cu_seqlens = args.v, args.initial_state, args.cu_seqlens
+    prepared = prepare_inputs(args)
+    config = ChunkConfig(chunk_size=args.chunk_size, output_final_state=args.output_final_state)
     guard, finite = NonFiniteGuard.build(
         prepared.q, prepared.k, prepared.v, prepared.g, prepared.beta, initial_state, cu_seqlens
     )
-    o, final = guard.apply(*_chunked_delta_rule_vjp(*finite, cu_seqlens, config))
+    o, final = guard.apply(*chunked_delta_rule(*finite, cu_seqlens, config))
     return o.astype(v.dtype), final
-
-
-def implementations() -> list[Implementation]:
-    """The `xla` implementation of kda."""
-    return [
-        Implementation(
-            op="kda",
-            name="xla",
-            fn=kda_xla,
-            priority=50,
-            backends={"cpu", "gpu", "tpu"},
-            package="gla-kda",
-            description="chunked jnp (WY form, blocked triangular inverse, scan over chunks); custom_vjp",
-        )
-    ]

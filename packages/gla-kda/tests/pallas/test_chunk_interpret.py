@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import gla_core
-from gla_core.pallas_transforms import HigherOrderDerivativeError
+from gla_core.errors import HigherOrderDerivativeError
 from gla_ref.testing import (
     TOLERANCES,
     assert_close,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from gla_core.tpu_checks import export_for_tpu
+from gla_core.kit import export_for_tpu
 
 pytestmark = pytest.mark.lowering
 

@@ -1,6 +1,6 @@
 """kda `chunk` compiles with Mosaic for compile-only v6e and v5e devices at production shapes.
 
-Run with `/work/venv-tpu/bin/python -m pytest -m tpu_compile <this file> -s` (needs jax[tpu]);
+Run with `nox -s tpu_compile`, or `python -m pytest -m tpu_compile <this file> -s` where jax[tpu] is installed;
 each compile prints its `CompileReport.summary()`: XLA temp memory and each kernel's scoped
 VMEM. Every kernel must fit the chip's default scoped-VMEM limit (XLA's default
 `xla_tpu_scoped_vmem_limit_kib`: 16 MiB on v5e, 32 MiB on v6e).
@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from gla_core.tpu_checks import compile_for_tpu
+from gla_core.kit import DEFAULT_SCOPED_VMEM_BYTES, compile_for_tpu
 
 pytestmark = pytest.mark.tpu_compile
-
-DEFAULT_SCOPED_VMEM_BYTES = {"v5e": 16 * 2**20, "v6e": 32 * 2**20}
 
 
 def _check(report, expected_kernels):

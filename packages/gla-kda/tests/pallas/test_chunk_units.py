@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 import gla_core
-from gla_kda.chunk import implementations
 from gla_kda.pallas import chunk_math as cm
 from gla_kda.pallas import layout as kl
 from gla_ref.testing import TOLERANCES, assert_close
@@ -171,12 +170,6 @@ def test_unit_lower_inverse(unroll):
     assert_close("(I + A)^-1", inverse, np.linalg.inv(np.eye(C) + a), TOL)
 
 
-def test_row_column_transposes():
-    row = jnp.arange(8, dtype=jnp.float32)[None, :]
-    np.testing.assert_array_equal(cm.row_to_column(row), row.T)
-    np.testing.assert_array_equal(cm.column_to_row(row.T), row)
-
-
 @pytest.mark.parametrize("cu_seqlens", [None, [0, 5, 5, 70, 90]])
 def test_kernel_layout_round_trip(cu_seqlens):
     rng = np.random.default_rng(5)
@@ -191,10 +184,11 @@ def test_kernel_layout_round_trip(cu_seqlens):
 
 
 def test_registration_and_explain_on_cpu():
-    (impl,) = implementations()
-    assert (impl.op, impl.name, impl.priority, impl.backends, impl.interpretable) == (
+    (impl,) = [i for i in gla_core.implementations("kda") if i.name == "chunk"]
+    assert (impl.op, impl.name, impl.package, impl.priority, impl.backends, impl.interpretable) == (
         "kda",
         "chunk",
+        "gla-kda",
         100,
         frozenset({"tpu"}),
         True,

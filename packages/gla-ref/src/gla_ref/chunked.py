@@ -249,13 +249,8 @@ def kda(
     initial_state=None,
     output_final_state=False,
     cu_seqlens=None,
-    use_qk_l2norm_in_kernel=False,
-    use_gate_in_kernel=False,
-    A_log=None,
-    dt_bias=None,
-    lower_bound=None,
-    use_beta_sigmoid_in_kernel=False,
     chunk_size=64,
+    **kda_options,
 ):
     """Chunked `recurrent.kda` (same arguments and returns, plus `chunk_size`)."""
     q, k, v, log_decay, beta = gates.prepare_kda(
@@ -264,13 +259,8 @@ def kda(
         v,
         g,
         beta,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        lower_bound=lower_bound,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
         initial_state=initial_state,
+        **kda_options,
     )
     return _run(
         q,

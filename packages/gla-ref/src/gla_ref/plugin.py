@@ -8,6 +8,8 @@ state in float32 (float64 when the computation is float64); kda_gate returns `ou
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 
 from gla_core import Implementation, hookimpl
@@ -17,90 +19,30 @@ BACKENDS = frozenset({"cpu", "gpu", "tpu"})
 PACKAGE = "gla-ref"
 
 
-def _attention_result(o, final_state, v):
-    """`o` in v's dtype, the state in float32 (float64 if computed in float64)."""
-    if final_state is not None:
-        final_state = final_state.astype(jnp.promote_types(final_state.dtype, jnp.float32))
-    return o.astype(v.dtype), final_state
+# Fields of the arguments record that the recurrences do not take.
+_NOT_RECURRENCE_ARGUMENTS = ("chunk_size", "interpret", "options", "output_dtype")
 
 
-def reference_simple_gla(
-    q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, chunk_size, interpret
-):
-    """Dispatch adapter of `recurrent.simple_gla` (chunk_size and interpret are ignored)."""
-    o, final_state = recurrent.simple_gla(
-        q,
-        k,
-        v,
-        g=g,
-        g_gamma=g_gamma,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
-    )
-    return _attention_result(o, final_state, v)
+def _recurrence_arguments(args) -> dict:
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.name not in _NOT_RECURRENCE_ARGUMENTS}
 
 
-def reference_gla(q, k, v, *, gk, scale, initial_state, output_final_state, cu_seqlens, chunk_size, interpret):
-    """Dispatch adapter of `recurrent.gla` (chunk_size and interpret are ignored)."""
-    o, final_state = recurrent.gla(
-        q,
-        k,
-        v,
-        gk,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
-    )
-    return _attention_result(o, final_state, v)
+def _attention(recurrence):
+    """Dispatch adapter of an attention recurrence: `o` in v's dtype, the state in float32 (float64
+    if computed in float64); chunk_size and interpret are ignored."""
+
+    def run(args):
+        o, final_state = recurrence(**_recurrence_arguments(args))
+        if final_state is not None:
+            final_state = final_state.astype(jnp.promote_types(final_state.dtype, jnp.float32))
+        return o.astype(args.v.dtype), final_state
+
+    return run
 
 
-def reference_kda(
-    q,
-    k,
-    v,
-    *,
-    g,
-    beta,
-    scale,
-    initial_state,
-    output_final_state,
-    cu_seqlens,
-    chunk_size,
-    use_qk_l2norm_in_kernel,
-    use_gate_in_kernel,
-    A_log,
-    dt_bias,
-    lower_bound,
-    use_beta_sigmoid_in_kernel,
-    interpret,
-):
-    """Dispatch adapter of `recurrent.kda` (chunk_size and interpret are ignored)."""
-    o, final_state = recurrent.kda(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        lower_bound=lower_bound,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-    )
-    return _attention_result(o, final_state, v)
-
-
-def reference_kda_gate(g, *, A_log, dt_bias, lower_bound, output_dtype, interpret):
-    """Dispatch adapter of `recurrent.kda_gate`, cast to `output_dtype` (interpret is ignored)."""
-    return recurrent.kda_gate(g, A_log, dt_bias=dt_bias, lower_bound=lower_bound).astype(output_dtype)
+def reference_kda_gate(args):
+    """Dispatch adapter of `recurrent.kda_gate`, cast to `output_dtype`."""
+    return recurrent.kda_gate(**_recurrence_arguments(args)).astype(args.output_dtype)
 
 
 _DESCRIPTIONS = {
@@ -111,16 +53,17 @@ _DESCRIPTIONS = {
 }
 
 _FUNCTIONS = {
-    "simple_gla": reference_simple_gla,
-    "gla": reference_gla,
-    "kda": reference_kda,
+    "simple_gla": _attention(recurrent.simple_gla),
+    "gla": _attention(recurrent.gla),
+    "kda": _attention(recurrent.kda),
     "kda_gate": reference_kda_gate,
 }
 
 
 @hookimpl
 def gla_implementations():
-    """The `reference` implementation of every op."""
+    """The `reference` implementation of every op (records of ops that are not installed, e.g. kda
+    without gla-kda, are set aside by the registry)."""
     return [
         Implementation(
             op=op,

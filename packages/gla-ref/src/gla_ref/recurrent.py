@@ -219,13 +219,8 @@ def kda(
     initial_state=None,
     output_final_state=False,
     cu_seqlens=None,
-    use_qk_l2norm_in_kernel=False,
-    use_gate_in_kernel=False,
-    A_log=None,
-    dt_bias=None,
-    lower_bound=None,
-    use_beta_sigmoid_in_kernel=False,
     chunk_size=None,
+    **kda_options,
 ):
     """Kimi Delta Attention: per-key decay, then a delta-rule correction of strength beta.
 
@@ -235,10 +230,11 @@ def kda(
       g: per-key log decay `[B, T, HV, K]`, or the raw gate input when `use_gate_in_kernel`.
       beta: `[B, T, HV]` write strength, or its logits when `use_beta_sigmoid_in_kernel`.
       scale, initial_state `[N, HV, K, V]`, output_final_state, cu_seqlens, chunk_size: as `simple_gla`.
-      use_qk_l2norm_in_kernel: normalize q and k rows (`gates.l2norm`).
-      use_gate_in_kernel: the decay is `gates.kda_gate(g, A_log, dt_bias, lower_bound)`.
-      A_log `[HV]`, dt_bias `[HV * K]` (optional), lower_bound: gate parameters.
-      use_beta_sigmoid_in_kernel: beta is `sigmoid(beta)`.
+      **kda_options: FLA's in-kernel transforms, by keyword (`gates.prepare_kda` holds them):
+        use_qk_l2norm_in_kernel (normalize q and k rows, `gates.l2norm`), use_gate_in_kernel (the
+        decay is `gates.kda_gate(g, A_log, dt_bias, lower_bound)`), A_log `[HV]`, dt_bias
+        `[HV * K]` (optional), lower_bound (gate parameters), use_beta_sigmoid_in_kernel (beta is
+        `sigmoid(beta)`).
 
     Returns:
       `(o [B, T, HV, V], final_state [N, HV, K, V] or None)` in the computation dtype.
@@ -249,13 +245,8 @@ def kda(
         v,
         g,
         beta,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-        use_gate_in_kernel=use_gate_in_kernel,
-        A_log=A_log,
-        dt_bias=dt_bias,
-        lower_bound=lower_bound,
-        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
         initial_state=initial_state,
+        **kda_options,
     )
     return _recurrence(
         q,

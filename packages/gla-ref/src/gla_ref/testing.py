@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import gla_core
 from gla_ref import recurrent
 
 ATTENTION_OPS = ("simple_gla", "gla", "kda")
@@ -672,6 +673,24 @@ def check_against_oracle(fn, case: Case, tolerance: Tolerance | float | None = N
 
 
 # --------------------------------------------------------------------------- special inputs and transforms
+
+
+def jit_dispatch(impl: str, case: Case):
+    """`fn(**case.kwargs())` running `gla_core.dispatch(case.op, impl=impl)` under one `jax.jit`.
+
+    Non-array options (flags, scale, chunk_size, lower_bound) are static; arrays, including
+    `cu_seqlens`, are traced, as in a training step.
+    """
+    static = {name: value for name, value in case.options.items() if not isinstance(value, jax.Array)}
+
+    @jax.jit
+    def run(arrays):
+        return gla_core.dispatch(case.op, impl=impl, **arrays, **static)
+
+    def fn(**kwargs):
+        return run({name: value for name, value in kwargs.items() if name not in static})
+
+    return fn
 
 
 def with_values(case: Case, name: str, indices, value: float) -> Case:

@@ -7,52 +7,42 @@ TPU only; off TPU they run in TPU interpret mode when the call asks for it
 
 from __future__ import annotations
 
-import functools
-
-import jax
-
 import gla_core
-from gla_core.chunk import chunk_gated_attention
-from gla_core.chunk.pipeline import IMPLEMENTATION
-from gla_core.tpu import unsupported_dtype_reason
+from gla_core.kit import (
+    BLOCK_K_OPTION,
+    BLOCK_V_OPTION,
+    block_sizes_of,
+    chunk_gated_attention,
+    unsupported_dtype_reason,
+)
+from gla_simple.registration import for_both_ops
+
+IMPLEMENTATION = "chunk"
 
 PRIORITY = 100
 BACKENDS = frozenset({"tpu"})
-STATIC_ARGUMENTS = ("scale", "output_final_state", "chunk_size", "interpret")
+BLOCK_OPTIONS = (BLOCK_V_OPTION, BLOCK_K_OPTION)
 
 
-@functools.partial(jax.jit, static_argnames=STATIC_ARGUMENTS)
-def simple_gla(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, chunk_size, interpret):
-    """simple_gla on the Pallas chunk kernels; arguments as normalized by `gla_core.dispatch`."""
+def gates_of(args) -> dict:
+    """The gate arguments of a simple_gla (g, g_gamma) or gla (gk) arguments record."""
+    return {name: getattr(args, name) for name in ("g", "g_gamma", "gk") if hasattr(args, name)}
+
+
+def run(args):
+    """simple_gla or gla on the Pallas chunk kernels, on the call's validated arguments record."""
     return chunk_gated_attention(
-        q,
-        k,
-        v,
-        g=g,
-        g_gamma=g_gamma,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
-        chunk_size=chunk_size,
-        interpret=interpret,
-    )
-
-
-@functools.partial(jax.jit, static_argnames=STATIC_ARGUMENTS)
-def gla(q, k, v, *, gk, scale, initial_state, output_final_state, cu_seqlens, chunk_size, interpret):
-    """gla on the Pallas chunk kernels; arguments as normalized by `gla_core.dispatch`."""
-    return chunk_gated_attention(
-        q,
-        k,
-        v,
-        gk=gk,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
-        chunk_size=chunk_size,
-        interpret=interpret,
+        args.q,
+        args.k,
+        args.v,
+        **gates_of(args),
+        scale=args.scale,
+        initial_state=args.initial_state,
+        output_final_state=args.output_final_state,
+        cu_seqlens=args.cu_seqlens,
+        chunk_size=args.chunk_size,
+        interpret=args.interpret,
+        block_sizes=block_sizes_of(args.options),
     )
 
 
@@ -62,25 +52,17 @@ def supports(call: gla_core.Call) -> str | None:
 
 
 def implementations() -> list[gla_core.Implementation]:
-    common = dict(
+    descriptions = {
+        "simple_gla": "Pallas TPU chunk kernels (fixed + varlen), VMEM-carried state, hand-written backward",
+        "gla": "Pallas TPU chunk kernels with per-key decay (fixed + varlen), hand-written backward",
+    }
+    return for_both_ops(
+        run,
+        descriptions,
         name=IMPLEMENTATION,
         priority=PRIORITY,
         backends=BACKENDS,
-        package="gla-simple",
         supports=supports,
         interpretable=True,
+        options=BLOCK_OPTIONS,
     )
-    return [
-        gla_core.Implementation(
-            op="simple_gla",
-            fn=simple_gla,
-            description="Pallas TPU chunk kernels (fixed + varlen), VMEM-carried state, hand-written backward",
-            **common,
-        ),
-        gla_core.Implementation(
-            op="gla",
-            fn=gla,
-            description="Pallas TPU chunk kernels with per-key decay (fixed + varlen), hand-written backward",
-            **common,
-        ),
-    ]

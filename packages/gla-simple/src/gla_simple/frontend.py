@@ -24,10 +24,15 @@ from gla_simple.layout import chunk_sequences
 from gla_simple.non_finite import NonFinite
 from gla_simple.numerics import compute_dtype, floor_log_decays
 
-# Keyword arguments of the implementations' `fn` that are Python values (static under jax.jit).
-STATIC_ARGUMENTS = ("scale", "output_final_state", "chunk_size", "interpret")
-
 Core = Callable[..., tuple[jax.Array, jax.Array]]
+
+
+def gate_of(args) -> jax.Array:
+    """The per-step log decay of a simple_gla or gla call: simple_gla's g + g_gamma as [B, T, H, 1]
+    (zeros without either), gla's gk [B, T, H, K]."""
+    if hasattr(args, "gk"):
+        return args.gk
+    return simple_gla_gate(args.q, args.g, args.g_gamma)
 
 
 def simple_gla_gate(q: jax.Array, g: jax.Array | None, g_gamma: jax.Array | None) -> jax.Array:
@@ -43,31 +48,15 @@ def simple_gla_gate(q: jax.Array, g: jax.Array | None, g_gamma: jax.Array | None
     return gate[..., None]
 
 
-def run(
-    core: Core,
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    gate: jax.Array,
-    *,
-    scale: float,
-    initial_state: jax.Array | None,
-    output_final_state: bool,
-    cu_seqlens: jax.Array | None,
-    chunk_size: int,
-    causal_non_finite: bool = True,
-) -> tuple[jax.Array, jax.Array | None]:
-    """Runs `core` on the op's arguments.
+def run(core: Core, args, *, chunk_size: int | None = None, causal_non_finite: bool = True):
+    """Runs `core` on a simple_gla or gla call.
 
     Args:
       core: the chunked core (see the module doc).
-      q, k: [B, T, H, K]; v: [B, T, H, V].
-      gate: [B, T, H, 1] scalar or [B, T, H, K] per-key log decay.
-      scale: multiplies q.
-      initial_state: [N, H, K, V] or None (zeros).
-      output_final_state: return the final state.
-      cu_seqlens: [N+1] int32 packed sequence boundaries (B == 1) or None.
-      chunk_size: C of the chunk layout.
+      args: the op's validated arguments (`gla_core` arguments record): q, k [B, T, H, K], v
+        [B, T, H, V], the gates, scale, initial_state [N, H, K, V] or None, output_final_state,
+        cu_seqlens [N+1] int32 (B == 1) or None, chunk_size.
+      chunk_size: C of the chunk layout when it differs from the call's.
       causal_non_finite: run the core on finite stand-ins of v and the gates and mark the outputs
         their non-finite values reach (`gla_simple.non_finite`); a core that never multiplies a
         future step by 0 (the recurrence) does not need it.
@@ -76,6 +65,10 @@ def run(
       o [B, T, H, V] in v's dtype, and the final state [N, H, K, V] (float32; float64 for
       float64 inputs) or None.
     """
+    q, k, v, gate = args.q, args.k, args.v, gate_of(args)
+    scale, initial_state, cu_seqlens = args.scale, args.initial_state, args.cu_seqlens
+    output_final_state = args.output_final_state
+    chunk_size = args.chunk_size if chunk_size is None else chunk_size
     batch, seq_len, heads, key_dim = q.shape
     value_dim, out_dtype = v.shape[-1], v.dtype
     dtype = compute_dtype(q.dtype)

@@ -12,25 +12,20 @@ Each calls `gla_core.dispatch` with a fixed implementation family:
   decode path).
 
 Dispatch overrides (`impl=`, `gla_core.use(simple_gla=...)`, `GLA_IMPL_<OP>`) choose among every
-implementation; these functions pin their family instead. Call `gla_core.dispatch` directly
-to let overrides or priorities decide.
+implementation; these functions pin their family instead (`dispatch(..., among=CHUNK_FAMILY)`).
+Call `gla_core.dispatch` directly to let overrides or priorities decide: on a TPU, dispatch picks
+the fused implementations of gla-fused for simple_gla (higher priority), while `chunk_simple_gla`
+stays on FLA's chunk algorithm (`fused_chunk_simple_gla` of gla-fused is the fused family).
 """
 
 from __future__ import annotations
 
 import jax
 
-import gla_core
-from gla_core.dispatch import first_accepting
+from gla_core.kit import dispatch_by_name
 
-CHUNK = "chunk"
-CHUNK_FALLBACK = "xla"
+CHUNK_FAMILY = ("chunk", "xla")  # `chunk_*`: the Pallas chunk kernels when they accept, else the same algorithm in XLA
 RECURRENT = "recurrent"
-
-
-def chunk_implementation(op: str, q, k, v, **kwargs) -> str:
-    """The chunked-family implementation `chunk_*` use for this call: "chunk" if it accepts, else "xla"."""
-    return first_accepting(op, (CHUNK, CHUNK_FALLBACK), q, k, v, **kwargs)
 
 
 def chunk_simple_gla(
@@ -77,17 +72,7 @@ def chunk_simple_gla(
       >>> o.shape, ht.shape
       ((1, 128, 4, 64), (1, 4, 64, 64))
     """
-    kwargs = dict(
-        g=g,
-        g_gamma=g_gamma,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
-        chunk_size=chunk_size,
-    )
-    impl = chunk_implementation("simple_gla", q, k, v, **kwargs)
-    return gla_core.dispatch("simple_gla", q, k, v, impl=impl, **kwargs)
+    return dispatch_by_name("simple_gla", locals(), among=CHUNK_FAMILY)
 
 
 def chunk_gla(
@@ -128,16 +113,9 @@ def chunk_gla(
       >>> o.shape
       (1, 128, 4, 64)
     """
-    kwargs = dict(
-        gk=g,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
-        chunk_size=chunk_size,
-    )
-    impl = chunk_implementation("gla", q, k, v, **kwargs)
-    return gla_core.dispatch("gla", q, k, v, impl=impl, **kwargs)
+    arguments = dict(locals(), gk=g)
+    del arguments["g"]
+    return dispatch_by_name("gla", arguments, among=CHUNK_FAMILY)
 
 
 def fused_recurrent_simple_gla(
@@ -163,19 +141,7 @@ def fused_recurrent_simple_gla(
       >>> o.shape, h.shape
       ((1, 1, 4, 64), (1, 4, 64, 64))
     """
-    return gla_core.dispatch(
-        "simple_gla",
-        q,
-        k,
-        v,
-        impl=RECURRENT,
-        g=g,
-        g_gamma=g_gamma,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
-    )
+    return dispatch_by_name("simple_gla", locals(), impl=RECURRENT)
 
 
 def fused_recurrent_gla(
@@ -205,12 +171,8 @@ def fused_recurrent_gla(
       >>> o.shape, ht.shape
       ((1, 16, 2, 32), (1, 2, 32, 32))
     """
-    common = dict(
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
-    )
-    if gk is None:
-        return gla_core.dispatch("simple_gla", q, k, v, impl=RECURRENT, **common)
-    return gla_core.dispatch("gla", q, k, v, impl=RECURRENT, gk=gk, **common)
+    arguments = dict(locals())
+    if gk is None:  # no decay: the simple_gla recurrence without a gate
+        del arguments["gk"]
+        return dispatch_by_name("simple_gla", arguments, impl=RECURRENT)
+    return dispatch_by_name("gla", arguments, impl=RECURRENT)

@@ -21,7 +21,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from gla_core import varlen
+from gla_core.kit import varlen
 
 
 @jax.tree_util.register_dataclass

@@ -17,8 +17,6 @@ so memory is O(T/C + C) states instead of O(T). Layout inside this module: `[NT,
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -27,6 +25,7 @@ import gla_core
 from gla_simple import frontend
 from gla_simple.layout import Segments
 from gla_simple.numerics import einsum
+from gla_simple.registration import for_both_ops
 
 PRIORITY = 10
 BACKENDS = frozenset({"cpu", "gpu", "tpu"})
@@ -160,61 +159,13 @@ def checkpoint_interval(seq_len: int, chunk_size: int) -> int:
     return max(1, -(-seq_len // segments))
 
 
-def _run(q, k, v, gate, *, scale, initial_state, output_final_state, cu_seqlens, chunk_size):
-    return frontend.run(
-        recurrent_core,
-        q,
-        k,
-        v,
-        gate,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
-        chunk_size=checkpoint_interval(q.shape[1], chunk_size),
-        causal_non_finite=False,
-    )
-
-
-@functools.partial(jax.jit, static_argnames=frontend.STATIC_ARGUMENTS)
-def simple_gla(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, chunk_size, interpret):
-    """simple_gla by the recurrence; arguments as normalized by `gla_core.dispatch`."""
-    del interpret
-    gate = frontend.simple_gla_gate(q, g, g_gamma)
-    return _run(
-        q,
-        k,
-        v,
-        gate,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
-        chunk_size=chunk_size,
-    )
-
-
-@functools.partial(jax.jit, static_argnames=frontend.STATIC_ARGUMENTS)
-def gla(q, k, v, *, gk, scale, initial_state, output_final_state, cu_seqlens, chunk_size, interpret):
-    """gla by the recurrence; arguments as normalized by `gla_core.dispatch`."""
-    del interpret
-    return _run(
-        q,
-        k,
-        v,
-        gk,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens,
-        chunk_size=chunk_size,
-    )
+def run(args):
+    """simple_gla or gla by the recurrence, on the call's validated arguments record."""
+    chunk_size = checkpoint_interval(args.q.shape[1], args.chunk_size)
+    return frontend.run(recurrent_core, args, chunk_size=chunk_size, causal_non_finite=False)
 
 
 def implementations() -> list[gla_core.Implementation]:
-    common = dict(name="recurrent", priority=PRIORITY, backends=BACKENDS, package="gla-simple")
     description = "lax.scan over time (decode path), checkpointed reverse-scan backward"
-    return [
-        gla_core.Implementation(op="simple_gla", fn=simple_gla, description=description, **common),
-        gla_core.Implementation(op="gla", fn=gla, description=description, **common),
-    ]
+    descriptions = {"simple_gla": description, "gla": description}
+    return for_both_ops(run, descriptions, name="recurrent", priority=PRIORITY, backends=BACKENDS)

@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
-from gla_core.chunk.common import TN, compiler_params, cost_estimate, dot, mxu_dtype
-from gla_core.chunk.gates import intra_costs, make_gate
+from gla_core.chunk.common import TN, dot, mxu_dtype
+from gla_core.chunk.gates import make_gate
+from gla_core.chunk.launch import launch_state_pass
 from gla_core.chunk.specs import ChunkSpecs
 from gla_core.pallas_transforms import fold_vmap
-from gla_core.tpu import interpret_params
 
 
 def _bwd_dh_kernel(first_ref, last_ref, seq_ref, *refs, gate_mode, has_dht, has_dh0, scale, num_chunks, dtype):
@@ -83,46 +81,14 @@ def chunk_bwd_dh(q, do, gate, dht, meta, *, specs: ChunkSpecs, scale: float, nee
 
 
 def _launch(q, do, gate, dht, first, last, sequence, *, specs: ChunkSpecs, scale: float, need_dh0: bool, interpret):
-    b, h, tp, kdim = q.shape
-    vdim = do.shape[-1]
-    nt, nv = specs.num_chunks, specs.num_tiles
-    has_dht = dht is not None
-    in_specs = [specs.key(), specs.value(), specs.gate()]
-    inputs = [q, do, gate]
-    if has_dht:
-        in_specs.append(specs.state_of_sequence())
-        inputs.append(dht)
-    out_shape = [jax.ShapeDtypeStruct((b, h, nt, vdim, kdim), jnp.float32)]
-    out_specs = [specs.chunk_state()]
-    if need_dh0:
-        out_shape.append(jax.ShapeDtypeStruct((b * specs.states_per_row, h, vdim, kdim), jnp.float32))
-        out_specs.append(specs.state_of_sequence())
     kernel = functools.partial(
         _bwd_dh_kernel,
         gate_mode=specs.gate_mode,
-        has_dht=has_dht,
+        has_dht=dht is not None,
         has_dh0=need_dh0,
         scale=scale,
-        num_chunks=nt,
+        num_chunks=specs.num_chunks,
         dtype=mxu_dtype(q.dtype),
     )
-    gate_flops, gate_transcendentals = intra_costs(specs.gate_mode, specs.chunk, kdim, products=0)
-    flops = b * h * nv * nt * gate_flops + 2 * b * h * tp * kdim * vdim + 3 * b * h * nt * kdim * vdim
-    cost = cost_estimate(flops, b * h * nv * nt * gate_transcendentals, [q, do, gate, dht, *out_shape])
-    with jax.named_scope("chunk_bwd_dh"):
-        outs = pl.pallas_call(
-            kernel,
-            out_shape=out_shape,
-            grid_spec=pltpu.PrefetchScalarGridSpec(
-                num_scalar_prefetch=3,
-                grid=specs.grid(b, h),
-                in_specs=in_specs,
-                out_specs=out_specs,
-                scratch_shapes=[pltpu.VMEM((specs.block_v, kdim), jnp.float32)],
-            ),
-            compiler_params=compiler_params("parallel", "parallel", "parallel", "arbitrary"),
-            interpret=interpret_params(interpret),
-            cost_estimate=cost,
-            name="chunk_bwd_dh",
-        )(first, last, sequence, *inputs)
-    return outs[0], (outs[1] if need_dh0 else None)
+    state_args = (q, do, gate, dht, first, last, sequence)
+    return launch_state_pass("chunk_bwd_dh", kernel, *state_args, specs=specs, state_out=need_dh0, interpret=interpret)

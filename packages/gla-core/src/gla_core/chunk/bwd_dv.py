@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
-from gla_core.chunk.common import NT, TN, compiler_params, cost_estimate, dot, mxu_dtype
-from gla_core.chunk.gates import intra_costs, make_gate
+from gla_core.chunk.common import NT, TN, dot, mxu_dtype
+from gla_core.chunk.gates import make_gate
+from gla_core.chunk.launch import launch_value_pass
 from gla_core.chunk.specs import ChunkSpecs
 from gla_core.pallas_transforms import fold_vmap
-from gla_core.tpu import interpret_params
 
 
 def _bwd_dv_kernel(q_ref, k_ref, do_ref, gate_ref, dh_ref, dv_ref, *, gate_mode, scale, dtype):
@@ -49,23 +47,7 @@ def chunk_bwd_dv(q, k, do, gate, dh, *, specs: ChunkSpecs, scale: float, dtype, 
 
 
 def _launch(q, k, do, gate, dh, *, specs: ChunkSpecs, scale: float, dtype, interpret: bool):
-    b, hh, tp, kdim = q.shape
-    vdim = do.shape[-1]
-    nv, nt, c = specs.num_tiles, specs.num_chunks, specs.chunk
-    out_shape = jax.ShapeDtypeStruct((b, hh, tp, vdim), dtype)
     kernel = functools.partial(_bwd_dv_kernel, gate_mode=specs.gate_mode, scale=scale, dtype=mxu_dtype(q.dtype))
-    flops, transcendentals = intra_costs(specs.gate_mode, c, kdim, products=1)
-    flops = b * hh * nv * nt * (flops + 2 * c * kdim * specs.block_v + 2 * c * c * specs.block_v)
-    transcendentals = b * hh * nv * nt * transcendentals
-    with jax.named_scope("chunk_bwd_dv"):
-        return pl.pallas_call(
-            kernel,
-            out_shape=out_shape,
-            grid=specs.grid(b, hh),
-            in_specs=[specs.key(), specs.key(), specs.value(), specs.gate(), specs.chunk_state()],
-            out_specs=specs.value(),
-            compiler_params=compiler_params("parallel", "parallel", "parallel", "parallel"),
-            interpret=interpret_params(interpret),
-            cost_estimate=cost_estimate(flops, transcendentals, [q, k, do, gate, dh, out_shape]),
-            name="chunk_bwd_dv",
-        )(q, k, do, gate, dh)
+    return launch_value_pass(
+        "chunk_bwd_dv", kernel, q, k, do, gate, dh, specs=specs, out_dtype=dtype, interpret=interpret
+    )

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from gla_core.options import ImplOptions, Option, multiple_of
 from gla_core.tpu import NUM_LANES
 
 NN = (((1,), (0,)), ((), ()))  # a @ b
@@ -60,6 +61,21 @@ def _tile(block: int, padded_dim: int) -> int:
 
 
 DEFAULT_BLOCK_SIZES = BlockSizes()
+# The per-call tile options of the Pallas implementations (`impl_options={"chunk": {"block_v": 128}}`).
+BLOCK_V_OPTION = Option(
+    "block_v", DEFAULT_BLOCK_SIZES.block_v, multiple_of("block_v", NUM_LANES), "largest V tile (state, output)"
+)
+BLOCK_K_OPTION = Option(
+    "block_k", DEFAULT_BLOCK_SIZES.block_k, multiple_of("block_k", NUM_LANES), "largest K tile (dq, dk, dgate)"
+)
+
+
+def block_sizes_of(options: ImplOptions) -> BlockSizes:
+    """The tiles a call's options ask for (`BLOCK_V_OPTION`, `BLOCK_K_OPTION`), defaults for the others."""
+    return BlockSizes(
+        block_v=options.get("block_v", DEFAULT_BLOCK_SIZES.block_v),
+        block_k=options.get("block_k", DEFAULT_BLOCK_SIZES.block_k),
+    )
 
 
 def mxu_dtype(dtype) -> jnp.dtype:

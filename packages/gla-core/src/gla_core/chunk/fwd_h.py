@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
-from gla_core.chunk.common import TN, compiler_params, cost_estimate, dot, mxu_dtype
-from gla_core.chunk.gates import intra_costs, make_gate
+from gla_core.chunk.common import TN, dot, mxu_dtype
+from gla_core.chunk.gates import make_gate
+from gla_core.chunk.launch import launch_state_pass
 from gla_core.chunk.specs import ChunkSpecs
 from gla_core.pallas_transforms import fold_vmap
-from gla_core.tpu import interpret_params
 
 
 def _fwd_h_kernel(first_ref, last_ref, seq_ref, *refs, gate_mode, has_h0, has_ht, dtype):
@@ -82,44 +80,14 @@ def chunk_fwd_h(k, v, gate, h0, meta, *, specs: ChunkSpecs, output_final_state: 
 
 
 def _launch(k, v, gate, h0, first, last, sequence, *, specs: ChunkSpecs, output_final_state: bool, interpret: bool):
-    b, h, tp, kdim = k.shape
-    vdim = v.shape[-1]
-    nt, nv = specs.num_chunks, specs.num_tiles
-    has_h0 = h0 is not None
-    in_specs = [specs.key(), specs.value(), specs.gate()]
-    inputs = [k, v, gate]
-    if has_h0:
-        in_specs.append(specs.state_of_sequence())
-        inputs.append(h0)
-    out_shape = [jax.ShapeDtypeStruct((b, h, nt, vdim, kdim), jnp.float32)]
-    out_specs = [specs.chunk_state()]
-    if output_final_state:
-        out_shape.append(jax.ShapeDtypeStruct((b * specs.states_per_row, h, vdim, kdim), jnp.float32))
-        out_specs.append(specs.state_of_sequence())
     kernel = functools.partial(
         _fwd_h_kernel,
         gate_mode=specs.gate_mode,
-        has_h0=has_h0,
+        has_h0=h0 is not None,
         has_ht=output_final_state,
         dtype=mxu_dtype(k.dtype),
     )
-    gate_flops, gate_transcendentals = intra_costs(specs.gate_mode, specs.chunk, kdim, products=0)
-    flops = b * h * nv * nt * gate_flops + 2 * b * h * tp * kdim * vdim + 3 * b * h * nt * kdim * vdim
-    cost = cost_estimate(flops, b * h * nv * nt * gate_transcendentals, [k, v, gate, h0, *out_shape])
-    with jax.named_scope("chunk_fwd_h"):
-        outs = pl.pallas_call(
-            kernel,
-            out_shape=out_shape,
-            grid_spec=pltpu.PrefetchScalarGridSpec(
-                num_scalar_prefetch=3,
-                grid=specs.grid(b, h),
-                in_specs=in_specs,
-                out_specs=out_specs,
-                scratch_shapes=[pltpu.VMEM((specs.block_v, kdim), jnp.float32)],
-            ),
-            compiler_params=compiler_params("parallel", "parallel", "parallel", "arbitrary"),
-            interpret=interpret_params(interpret),
-            cost_estimate=cost,
-            name="chunk_fwd_h",
-        )(first, last, sequence, *inputs)
-    return outs[0], (outs[1] if output_final_state else None)
+    state_args = (k, v, gate, h0, first, last, sequence)
+    return launch_state_pass(
+        "chunk_fwd_h", kernel, *state_args, specs=specs, state_out=output_final_state, interpret=interpret
+    )

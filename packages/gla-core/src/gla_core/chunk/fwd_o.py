@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
-from gla_core.chunk.common import NT, causal_dot, compiler_params, cost_estimate, dot, mxu_dtype
-from gla_core.chunk.gates import intra_costs, make_gate
+from gla_core.chunk.common import NT, causal_dot, dot, mxu_dtype
+from gla_core.chunk.gates import make_gate
+from gla_core.chunk.launch import launch_value_pass
 from gla_core.chunk.specs import ChunkSpecs
 from gla_core.pallas_transforms import fold_vmap
-from gla_core.tpu import interpret_params
 
 
 def _fwd_o_kernel(q_ref, k_ref, v_ref, gate_ref, h_ref, o_ref, *, gate_mode, scale, dtype):
@@ -48,23 +46,7 @@ def chunk_fwd_o(q, k, v, gate, h, *, specs: ChunkSpecs, scale: float, interpret:
 
 
 def _launch(q, k, v, gate, h, *, specs: ChunkSpecs, scale: float, interpret: bool):
-    b, hh, tp, kdim = q.shape
-    vdim = v.shape[-1]
-    nv, nt, c = specs.num_tiles, specs.num_chunks, specs.chunk
-    out_shape = jax.ShapeDtypeStruct((b, hh, tp, vdim), v.dtype)
     kernel = functools.partial(_fwd_o_kernel, gate_mode=specs.gate_mode, scale=scale, dtype=mxu_dtype(q.dtype))
-    flops, transcendentals = intra_costs(specs.gate_mode, c, kdim, products=1)
-    flops = b * hh * nv * nt * (flops + 2 * c * kdim * specs.block_v + 2 * c * c * specs.block_v)
-    transcendentals = b * hh * nv * nt * transcendentals
-    with jax.named_scope("chunk_fwd_o"):
-        return pl.pallas_call(
-            kernel,
-            out_shape=out_shape,
-            grid=specs.grid(b, hh),
-            in_specs=[specs.key(), specs.key(), specs.value(), specs.gate(), specs.chunk_state()],
-            out_specs=specs.value(),
-            compiler_params=compiler_params("parallel", "parallel", "parallel", "parallel"),
-            interpret=interpret_params(interpret),
-            cost_estimate=cost_estimate(flops, transcendentals, [q, k, v, gate, h, out_shape]),
-            name="chunk_fwd_o",
-        )(q, k, v, gate, h)
+    return launch_value_pass(
+        "chunk_fwd_o", kernel, q, k, v, gate, h, specs=specs, out_dtype=v.dtype, interpret=interpret
+    )

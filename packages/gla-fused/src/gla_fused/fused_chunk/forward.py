@@ -22,9 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from gla_core.chunk.common import NT, TN, causal_dot, dot, mxu_dtype
-from gla_core.chunk.gates import ChunkMasks, ScalarGate
-from gla_core.pallas_transforms import fold_vmap
+from gla_core.kit import NT, TN, ChunkMasks, ScalarGate, causal_dot, dot, fold_vmap, mxu_dtype
 from gla_fused.fused_chunk.launch import sequential_call
 from gla_fused.fused_chunk.specs import FusedSpecs
 

@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
-import functools
-
-import jax
-
 import gla_core
 from gla_core.errors import InvalidArgumentError
-from gla_core.tpu import unsupported_dtype_reason
+from gla_core.kit import (
+    BLOCK_K_OPTION,
+    BLOCK_V_OPTION,
+    Option,
+    block_sizes_of,
+    positive_int,
+    unsupported_dtype_reason,
+)
 from gla_fused.fused_chunk.pipeline import IMPLEMENTATION, fused_chunk_attention
 from gla_fused.fused_chunk.steps import DEFAULT_NUM_STEPS
+from gla_fused.registration import fused_implementation
 
 NAME = IMPLEMENTATION
 PRIORITY = 110
 BACKENDS = frozenset({"tpu"})
-STATIC_ARGUMENTS = ("scale", "output_final_state", "chunk_size", "interpret", "num_steps")
+OPTIONS = (
+    Option("num_steps", DEFAULT_NUM_STEPS, positive_int("num_steps"), "the most chunks one grid step handles"),
+    BLOCK_V_OPTION,
+    BLOCK_K_OPTION,
+)
 
 VARLEN_REASON = (
     "packed varlen input (cu_seqlens): several sequences can start inside one multi-chunk grid iteration, "
@@ -23,38 +31,24 @@ VARLEN_REASON = (
 )
 
 
-@functools.partial(jax.jit, static_argnames=STATIC_ARGUMENTS)
-def simple_gla(
-    q,
-    k,
-    v,
-    *,
-    g,
-    g_gamma,
-    scale,
-    initial_state,
-    output_final_state,
-    cu_seqlens,
-    chunk_size,
-    interpret,
-    num_steps: int = DEFAULT_NUM_STEPS,
-):
-    """simple_gla on the fused kernels; arguments as normalized by `gla_core.dispatch`, plus
-    `num_steps`, the most chunks one grid iteration handles (see `fused_chunk_attention`)."""
-    if cu_seqlens is not None:
+def run(args):
+    """simple_gla on the fused kernels, on the call's validated arguments record (options:
+    `num_steps`, the most chunks one grid iteration handles, and the kernels' tiles)."""
+    if args.cu_seqlens is not None:
         raise InvalidArgumentError(f"cu_seqlens: the {NAME} implementation does not take {VARLEN_REASON}")
     return fused_chunk_attention(
-        q,
-        k,
-        v,
-        g=g,
-        g_gamma=g_gamma,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        chunk_size=chunk_size,
-        num_steps=num_steps,
-        interpret=interpret,
+        args.q,
+        args.k,
+        args.v,
+        g=args.g,
+        g_gamma=args.g_gamma,
+        scale=args.scale,
+        initial_state=args.initial_state,
+        output_final_state=args.output_final_state,
+        chunk_size=args.chunk_size,
+        num_steps=args.options["num_steps"],
+        interpret=args.interpret,
+        block_sizes=block_sizes_of(args.options),
     )
 
 
@@ -66,18 +60,7 @@ def supports(call: gla_core.Call) -> str | None:
 
 
 def implementations() -> list[gla_core.Implementation]:
-    return [
-        gla_core.Implementation(
-            op="simple_gla",
-            name=NAME,
-            fn=simple_gla,
-            priority=PRIORITY,
-            backends=BACKENDS,
-            package="gla-fused",
-            supports=supports,
-            interpretable=True,
-            description=(
-                "Pallas TPU fused forward (state in VMEM, num_steps chunks per grid step), split backward; fixed length"
-            ),
-        )
-    ]
+    description = (
+        "Pallas TPU fused forward (state in VMEM, num_steps chunks per grid step), split backward; fixed length"
+    )
+    return [fused_implementation(NAME, run, PRIORITY, description, supports=supports, options=OPTIONS)]

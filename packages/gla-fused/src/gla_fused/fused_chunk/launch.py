@@ -9,9 +9,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from gla_core.chunk.common import compiler_params, cost_estimate
-from gla_core.chunk.gates import intra_costs
-from gla_core.tpu import interpret_params
+from gla_core.kit import compiler_params, cost_estimate, interpret_params, intra_costs
 from gla_fused.fused_chunk.specs import FusedSpecs
 
 

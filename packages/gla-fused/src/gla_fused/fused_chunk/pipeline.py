@@ -21,13 +21,20 @@ import functools
 
 import jax
 
-from gla_core.chunk import prepare
-from gla_core.chunk.bwd_dqkg import chunk_bwd_dqkg
-from gla_core.chunk.common import DEFAULT_BLOCK_SIZES, BlockSizes
-from gla_core.chunk.empty import empty_attention, has_no_tokens
-from gla_core.chunk.fwd_h import chunk_fwd_h
-from gla_core.chunk.pipeline import ChunkConfig, KernelInputs, kernel_inputs, op_gradients
-from gla_core.pallas_transforms import first_order_only
+from gla_core.kit import (
+    DEFAULT_BLOCK_SIZES,
+    BlockSizes,
+    ChunkConfig,
+    KernelInputs,
+    chunk_bwd_dqkg,
+    chunk_fwd_h,
+    empty_attention,
+    first_order_only,
+    has_no_tokens,
+    kernel_inputs,
+    op_gradients,
+    prepare,
+)
 from gla_fused.fused_chunk.backward import fused_chunk_bwd_dhdv
 from gla_fused.fused_chunk.forward import fused_chunk_fwd
 from gla_fused.fused_chunk.specs import FusedSpecs
@@ -108,7 +115,16 @@ def _backward(config: FusedConfig, x: KernelInputs, cotangents):
         interpret=interpret,
     )
     dq, dk, da = chunk_bwd_dqkg(
-        x.q, x.k, x.v, dok, x.gate, h, dh, specs=cfg.dqkg_specs(), scale=scale, interpret=interpret
+        x.q,
+        x.k,
+        x.v,
+        dok,
+        x.gate,
+        h,
+        dh,
+        specs=cfg.dqkg_specs(),
+        scale=scale,
+        interpret=interpret,
     )
     dq, dk, dv, dg, dg_gamma, _, d_initial = op_gradients(cfg, None, dq, dk, dv, da, dh0, None)
     return dq, dk, dv, dg, dg_gamma, d_initial

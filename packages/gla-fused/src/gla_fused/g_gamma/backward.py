@@ -40,9 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from gla_core.chunk.common import NN, NT, TN, compiler_params, cost_estimate, dot, mxu_dtype
-from gla_core.pallas_transforms import fold_vmap
-from gla_core.tpu import interpret_params
+from gla_core.kit import NN, NT, TN, compiler_params, cost_estimate, dot, fold_vmap, interpret_params, mxu_dtype
 from gla_fused.g_gamma.decay import ChunkDecay, valid_steps
 from gla_fused.g_gamma.specs import PARTIAL_BLOCK, GammaSpecs
 

@@ -7,41 +7,40 @@ TPU interpret mode when the call asks for it.
 
 from __future__ import annotations
 
-import functools
-
-import jax
-
 import gla_core
 from gla_core import errors
-from gla_core.tpu import unsupported_dtype_reason
+from gla_core.kit import BLOCK_V_OPTION, block_sizes_of, unsupported_dtype_reason
 from gla_fused.g_gamma.pipeline import IMPLEMENTATION, fused_g_gamma_attention
+from gla_fused.registration import fused_implementation
 
 NAME = IMPLEMENTATION
 PRIORITY = 120
 BACKENDS = frozenset({"tpu"})
-STATIC_ARGUMENTS = ("scale", "output_final_state", "chunk_size", "interpret")
+OPTIONS = (BLOCK_V_OPTION,)
 
 
-@functools.partial(jax.jit, static_argnames=STATIC_ARGUMENTS)
-def simple_gla(q, k, v, *, g, g_gamma, scale, initial_state, output_final_state, cu_seqlens, chunk_size, interpret):
-    """simple_gla on the fused g_gamma kernels; arguments as normalized by `gla_core.dispatch`.
+def run(args):
+    """simple_gla on the fused g_gamma kernels, on the call's validated arguments record.
 
     Only calls `supports` accepts reach it: g_gamma given, no g, no cu_seqlens.
     """
-    if g is not None or g_gamma is None:
-        raise errors.InvalidArgumentError(f"g_gamma: {NAME} needs g_gamma [H] as the only gate (got g={g is not None})")
-    if cu_seqlens is not None:
+    if args.g is not None or args.g_gamma is None:
+        raise errors.InvalidArgumentError(
+            f"g_gamma: {NAME} needs g_gamma [H] as the only gate (got g={args.g is not None})"
+        )
+    if args.cu_seqlens is not None:
         raise errors.InvalidArgumentError(f"cu_seqlens: {NAME} handles fixed-length batches only; use impl='chunk'")
     return fused_g_gamma_attention(
-        q,
-        k,
-        v,
-        g_gamma,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        chunk_size=chunk_size,
-        interpret=interpret,
+        args.q,
+        args.k,
+        args.v,
+        args.g_gamma,
+        scale=args.scale,
+        initial_state=args.initial_state,
+        output_final_state=args.output_final_state,
+        chunk_size=args.chunk_size,
+        interpret=args.interpret,
+        block_sizes=block_sizes_of(args.options),
     )
 
 
@@ -65,19 +64,8 @@ def supports(call: gla_core.Call) -> str | None:
 
 
 def implementations() -> list[gla_core.Implementation]:
-    return [
-        gla_core.Implementation(
-            op="simple_gla",
-            name=NAME,
-            fn=simple_gla,
-            priority=PRIORITY,
-            backends=BACKENDS,
-            package="gla-fused",
-            supports=supports,
-            interpretable=True,
-            description=(
-                "g_gamma-only simple_gla: one fused Pallas TPU kernel forward, one backward, "
-                "analytic in-kernel decays, exact d g_gamma"
-            ),
-        )
-    ]
+    description = (
+        "g_gamma-only simple_gla: one fused Pallas TPU kernel forward, one backward, "
+        "analytic in-kernel decays, exact d g_gamma"
+    )
+    return [fused_implementation(NAME, run, PRIORITY, description, supports=supports, options=OPTIONS)]

@@ -19,12 +19,17 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from gla_core.chunk import prepare
-from gla_core.chunk.common import DEFAULT_BLOCK_SIZES, BlockSizes
-from gla_core.chunk.empty import empty_attention, has_no_tokens
-from gla_core.chunk.gates import GATE_FLOOR, floor_gates
-from gla_core.chunk.pipeline import ChunkConfig
-from gla_core.pallas_transforms import first_order_only
+from gla_core.kit import (
+    DEFAULT_BLOCK_SIZES,
+    GATE_FLOOR,
+    BlockSizes,
+    ChunkConfig,
+    empty_attention,
+    first_order_only,
+    floor_gates,
+    has_no_tokens,
+    prepare,
+)
 from gla_fused.g_gamma.backward import fused_g_gamma_backward
 from gla_fused.g_gamma.forward import fused_g_gamma_forward
 from gla_fused.g_gamma.specs import GammaSpecs

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from gla_core.tpu import NUM_LANES, NUM_SUBLANES
+from gla_core.kit import NUM_LANES, NUM_SUBLANES
 
 PARTIAL_BLOCK = (NUM_SUBLANES, NUM_LANES)  # one (8, 128) tile per (b, h, V tile) for d gamma
 

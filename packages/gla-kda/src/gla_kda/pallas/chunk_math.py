@@ -25,8 +25,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from gla_core.chunk.common import column_to_row, row_to_column  # noqa: F401  (the kda kernels use cm.*)
-
 F32 = jnp.float32
 
 

@@ -7,7 +7,7 @@ import dataclasses
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from gla_core.tpu import NUM_SUBLANES, interpret_params
+from gla_core.kit import NUM_SUBLANES, interpret_params
 
 DEFAULT_SUB_CHUNK = 16
 

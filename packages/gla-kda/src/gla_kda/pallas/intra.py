@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from gla_core.pallas_transforms import fold_vmap
+from gla_core.kit import fold_vmap, row_to_column
 from gla_kda.pallas import chunk_math as cm
 from gla_kda.pallas.config import KernelConfig, compiler_params
 
@@ -28,7 +28,7 @@ def intra_kernel(q_ref, k_ref, g_ref, g_lo_ref, beta_ref, tinv_ref, aqk_ref, *, 
     q = q_ref[...].astype(cm.F32) * config.scale
     k = k_ref[...].astype(cm.F32)
     decays = cm.Decays(g_ref[...], sb, g_lo_ref[...])
-    beta = cm.row_to_column(beta_ref[...])
+    beta = row_to_column(beta_ref[...])
     kk, qk = cm.gated_scores([k, q], k, decays, config.mxu_dtype, config.unroll)
     akk = jnp.where(cm.lower_mask(sb.chunk, strict=True), beta * kk, 0.0)
     tinv_ref[...] = cm.unit_lower_inverse(akk, sb, config.unroll)

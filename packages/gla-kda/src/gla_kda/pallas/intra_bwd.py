@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from gla_core.pallas_transforms import fold_vmap
+from gla_core.kit import column_to_row, fold_vmap, row_to_column
 from gla_kda.pallas import chunk_math as cm
 from gla_kda.pallas.config import KernelConfig, compiler_params
 
@@ -59,7 +59,7 @@ def intra_bwd_kernel(
     k = k_ref[...].astype(cm.F32)
     v = v_ref[...].astype(cm.F32)
     decays = cm.Decays(g_ref[...], sb, g_lo_ref[...])
-    beta = cm.row_to_column(beta_ref[...])
+    beta = row_to_column(beta_ref[...])
     tinv = tinv_ref[...]
     state = h_ref[...].astype(cm.F32)
     dstate = dstate_ref[...].astype(cm.F32)
@@ -93,7 +93,7 @@ def intra_bwd_kernel(
     dk = d_k_decayed * decay + d_k_to_end * to_end + beta * rows_kk + cols_kk + cols_qk
     # q exp(G), k exp(G) depend on the decays up to their step, k exp(G_last - G) on those after it,
     # and the carried state on all of them.
-    state_term = cm.column_to_row(jnp.sum(state * dstate, axis=1, keepdims=True)) * jnp.exp(decays.total)
+    state_term = column_to_row(jnp.sum(state * dstate, axis=1, keepdims=True)) * jnp.exp(decays.total)
     dg = (
         decays.gate_grad(
             after=d_q_decayed * q_decayed + d_k_decayed * k_decayed,
@@ -108,7 +108,7 @@ def intra_bwd_kernel(
     dq_ref[...] = dq * config.scale
     dk_ref[...] = dk
     dv_ref[...] = dv
-    dbeta_ref[...] = cm.column_to_row(dbeta)
+    dbeta_ref[...] = column_to_row(dbeta)
     dg_ref[...] = dg
 
 

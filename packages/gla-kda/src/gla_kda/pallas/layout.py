@@ -15,8 +15,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from gla_core.tpu import NUM_LANES, pad_axis, round_up
-from gla_core.varlen import ChunkLayout, build_chunk_layout, from_chunks, to_chunks
+from gla_core.kit import NUM_LANES, ChunkLayout, build_chunk_layout, from_chunks, pad_axis, round_up, to_chunks
 
 
 @jax.tree_util.register_dataclass

@@ -20,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from gla_core.pallas_transforms import first_order_only
+from gla_core.kit import first_order_only
 from gla_kda.pallas.config import KernelConfig
 from gla_kda.pallas.intra import launch_intra
 from gla_kda.pallas.intra_bwd import launch_intra_bwd

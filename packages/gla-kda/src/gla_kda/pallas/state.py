@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from gla_core.pallas_transforms import fold_vmap
+from gla_core.kit import fold_vmap, row_to_column
 from gla_kda.pallas import chunk_math as cm
 from gla_kda.pallas.config import KernelConfig, compiler_params
 
@@ -46,7 +46,7 @@ def wy_delta(k, v, decays: cm.Decays, beta, tinv, state, dtype):
 def advance_state(k, decays: cm.Decays, delta, state, dtype):
     """State after the chunk: exp(G_last) * S + (k exp(G_last - G))^T delta, [K, V] float32."""
     k_to_end = k * jnp.exp(decays.to_end)
-    return cm.row_to_column(jnp.exp(decays.total)) * state + cm.dot(k_to_end, delta, dtype, trans_a=True)
+    return row_to_column(jnp.exp(decays.total)) * state + cm.dot(k_to_end, delta, dtype, trans_a=True)
 
 
 def state_kernel(first_ref, last_ref, seq_ref, *refs, config: KernelConfig, outputs: StateOutputs):
@@ -76,7 +76,7 @@ def state_kernel(first_ref, last_ref, seq_ref, *refs, config: KernelConfig, outp
     h_ref[...] = state.astype(h_ref.dtype)
     k = k_ref[...].astype(cm.F32)
     decays = cm.Decays(g_ref[...], cm.SubBlocks(config.blocks.chunk_size, config.blocks.sub_chunk), g_lo_ref[...])
-    beta = cm.row_to_column(beta_ref[...])
+    beta = row_to_column(beta_ref[...])
     delta = wy_delta(k, v_ref[...].astype(cm.F32), decays, beta, tinv_ref[...], state, config.mxu_dtype)
     if delta_ref is not None:
         delta_ref[...] = delta.astype(delta_ref.dtype)

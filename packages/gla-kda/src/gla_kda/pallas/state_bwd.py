@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from gla_core.pallas_transforms import fold_vmap
+from gla_core.kit import fold_vmap, row_to_column
 from gla_kda.pallas import chunk_math as cm
 from gla_kda.pallas.config import KernelConfig, compiler_params
 
@@ -65,14 +65,14 @@ def state_bwd_kernel(first_ref, last_ref, seq_ref, *refs, config: KernelConfig, 
     q = q_ref[...].astype(cm.F32) * config.scale
     k = k_ref[...].astype(cm.F32)
     decays = cm.Decays(g_ref[...], cm.SubBlocks(config.blocks.chunk_size, config.blocks.sub_chunk), g_lo_ref[...])
-    beta = cm.row_to_column(beta_ref[...])
+    beta = row_to_column(beta_ref[...])
     do = do_ref[...]
     decay = jnp.exp(decays.cum)
     ddelta = cm.dot(aqk_ref[...], do, dtype, trans_a=True) + cm.dot(k * jnp.exp(decays.to_end), grad, dtype)
     ddelta_ref[...] = ddelta.astype(ddelta_ref.dtype)
     w = cm.dot(tinv_ref[...], beta * k * decay, dtype)
     grad = (
-        cm.row_to_column(jnp.exp(decays.total)) * grad
+        row_to_column(jnp.exp(decays.total)) * grad
         + cm.dot(q * decay, do, dtype, trans_a=True)
         - cm.dot(w, ddelta, dtype, trans_a=True)
     )

@@ -1,0 +1,119 @@
+"""The `pallas_call`s shared by kernels of the same shape.
+
+`launch_state_pass`: the two sequential state passes, `chunk_fwd_h` (states forwards in time)
+and `chunk_bwd_dh` (state gradients backwards in time). Both read a row operand
+`[B, H, Tp, K]`, a column operand `[B, H, Tp, V]`, the gate and optionally a per-sequence
+state `[N, H, V, K]`; both write one float32 state per chunk `[B, H, NT, V, K]` and optionally
+a per-sequence state, carrying a `[Vt, K]` float32 state in VMEM scratch along the "arbitrary"
+time axis with the per-chunk metadata (first, last, sequence) scalar-prefetched.
+
+`launch_value_pass`: the two fully parallel per-chunk passes with a value-shaped result,
+`chunk_fwd_o` (o from q, k, v and the states) and `chunk_bwd_dv` (dv from q, k, do and the
+state gradients).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from gla_core.chunk.common import compiler_params, cost_estimate
+from gla_core.chunk.gates import intra_costs
+from gla_core.chunk.specs import ChunkSpecs
+from gla_core.tpu import interpret_params
+
+
+def launch_state_pass(
+    name: str,
+    kernel,
+    row: jax.Array,
+    column: jax.Array,
+    gate: jax.Array,
+    state_in: jax.Array | None,
+    first: jax.Array,
+    last: jax.Array,
+    sequence: jax.Array,
+    *,
+    specs: ChunkSpecs,
+    state_out: bool,
+    interpret: bool,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Runs `kernel(first, last, sequence, row, column, gate, [state_in], per_chunk, [state_out], scratch)`.
+
+    Returns (per-chunk states [B, H, NT, V, K] float32, per-sequence states [N, H, V, K] float32
+    or None unless `state_out`).
+    """
+    b, h, tp, kdim = row.shape
+    vdim = column.shape[-1]
+    nt, nv = specs.num_chunks, specs.num_tiles
+    in_specs = [specs.key(), specs.value(), specs.gate()]
+    inputs = [row, column, gate]
+    if state_in is not None:
+        in_specs.append(specs.state_of_sequence())
+        inputs.append(state_in)
+    out_shape = [jax.ShapeDtypeStruct((b, h, nt, vdim, kdim), jnp.float32)]
+    out_specs = [specs.chunk_state()]
+    if state_out:
+        out_shape.append(jax.ShapeDtypeStruct((b * specs.states_per_row, h, vdim, kdim), jnp.float32))
+        out_specs.append(specs.state_of_sequence())
+    gate_flops, gate_transcendentals = intra_costs(specs.gate_mode, specs.chunk, kdim, products=0)
+    flops = b * h * nv * nt * gate_flops + 2 * b * h * tp * kdim * vdim + 3 * b * h * nt * kdim * vdim
+    cost = cost_estimate(flops, b * h * nv * nt * gate_transcendentals, [row, column, gate, state_in, *out_shape])
+    with jax.named_scope(name):
+        outs = pl.pallas_call(
+            kernel,
+            out_shape=out_shape,
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=3,
+                grid=specs.grid(b, h),
+                in_specs=in_specs,
+                out_specs=out_specs,
+                scratch_shapes=[pltpu.VMEM((specs.block_v, kdim), jnp.float32)],
+            ),
+            compiler_params=compiler_params("parallel", "parallel", "parallel", "arbitrary"),
+            interpret=interpret_params(interpret),
+            cost_estimate=cost,
+            name=name,
+        )(first, last, sequence, *inputs)
+    return outs[0], (outs[1] if state_out else None)
+
+
+def launch_value_pass(
+    name: str,
+    kernel,
+    q: jax.Array,
+    k: jax.Array,
+    value: jax.Array,
+    gate: jax.Array,
+    states: jax.Array,
+    *,
+    specs: ChunkSpecs,
+    out_dtype,
+    interpret: bool,
+) -> jax.Array:
+    """Runs `kernel(q, k, value, gate, states, out)` over (B, H, V tiles, chunks), all parallel.
+
+    q, k [B, H, Tp, K]; value [B, H, Tp, V]; states [B, H, NT, V, K] float32 (one per chunk).
+    Returns [B, H, Tp, V] in `out_dtype`.
+    """
+    b, hh, tp, kdim = q.shape
+    vdim = value.shape[-1]
+    nv, nt, c = specs.num_tiles, specs.num_chunks, specs.chunk
+    out_shape = jax.ShapeDtypeStruct((b, hh, tp, vdim), out_dtype)
+    flops, transcendentals = intra_costs(specs.gate_mode, c, kdim, products=1)
+    flops = b * hh * nv * nt * (flops + 2 * c * kdim * specs.block_v + 2 * c * c * specs.block_v)
+    transcendentals = b * hh * nv * nt * transcendentals
+    with jax.named_scope(name):
+        return pl.pallas_call(
+            kernel,
+            out_shape=out_shape,
+            grid=specs.grid(b, hh),
+            in_specs=[specs.key(), specs.key(), specs.value(), specs.gate(), specs.chunk_state()],
+            out_specs=specs.value(),
+            compiler_params=compiler_params("parallel", "parallel", "parallel", "parallel"),
+            interpret=interpret_params(interpret),
+            cost_estimate=cost_estimate(flops, transcendentals, [q, k, value, gate, states, out_shape]),
+            name=name,
+        )(q, k, value, gate, states)

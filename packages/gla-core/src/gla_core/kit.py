@@ -1,0 +1,173 @@
+"""The plugin kit: everything a package that adds ops or implementations to gla builds on.
+
+Sibling packages (gla-simple, gla-fused, gla-kda, gla-ref, and third-party plugins) import gla-core
+through three modules only: `gla_core` (dispatch and the records), `gla_core.errors` and this one.
+The names here are the stable surface; the modules behind them may move.
+
+Registry and records
+  hookimpl, Implementation, Call, OpSpec, op_spec, attention_spec, Option, ImplOptions, positive_int, multiple_of,
+  ATTENTION_KEYWORDS, CHUNK_SIZES, DEFAULT_CHUNK_SIZE,
+  dispatch_by_name (dispatch from a function with FLA's signature: its `locals()`)
+Validation building blocks (for an op's validator)
+  require_rank, require_shape, require_float, require_bool, check_gate, check_state,
+  check_cu_seqlens, resolve_scale, validate_qkv, validate_common, attention_call, is_concrete,
+  validate (runs an op's validation as dispatch does: for tests of a validator)
+TPU helpers
+  NUM_LANES, NUM_SUBLANES, round_up, pad_axis, interpret_params, unsupported_dtype_reason,
+  detect_races
+JAX transformations through Pallas implementations
+  fold_vmap, first_order_only
+Packed sequences
+  varlen (ChunkLayout, build_chunk_layout, to_chunks, from_chunks)
+The shared Pallas chunk kernels (simple_gla / gla) and their pieces
+  chunk_gated_attention, chunk_fwd_h, chunk_bwd_dqkg, ChunkConfig, KernelInputs, kernel_inputs,
+  op_gradients, prepare, BlockSizes, DEFAULT_BLOCK_SIZES, ChunkMasks, ScalarGate, GATE_FLOOR,
+  floor_gates, intra_costs, empty_attention, has_no_tokens, and the in-kernel helpers dot, NN, NT,
+  TN, mxu_dtype, causal_dot, row_to_column, column_to_row, compiler_params, cost_estimate;
+  the tile options of their implementations: BLOCK_V_OPTION, BLOCK_K_OPTION, block_sizes_of
+Checks for TPU without a TPU (tests)
+  export_for_tpu, compile_for_tpu, CompileReport, DEFAULT_SCOPED_VMEM_BYTES, INTERPRET_HINT
+"""
+
+from gla_core import varlen
+from gla_core.chunk import BlockSizes, chunk_gated_attention, prepare
+from gla_core.chunk.bwd_dqkg import chunk_bwd_dqkg
+from gla_core.chunk.common import (
+    BLOCK_K_OPTION,
+    BLOCK_V_OPTION,
+    DEFAULT_BLOCK_SIZES,
+    NN,
+    NT,
+    TN,
+    block_sizes_of,
+    causal_dot,
+    column_to_row,
+    compiler_params,
+    cost_estimate,
+    dot,
+    mxu_dtype,
+    row_to_column,
+)
+from gla_core.chunk.empty import empty_attention, has_no_tokens
+from gla_core.chunk.fwd_h import chunk_fwd_h
+from gla_core.chunk.gates import GATE_FLOOR, ChunkMasks, ScalarGate, floor_gates, intra_costs
+from gla_core.chunk.pipeline import ChunkConfig, KernelInputs, kernel_inputs, op_gradients
+from gla_core.dispatch import dispatch_by_name
+from gla_core.hookspecs import hookimpl
+from gla_core.ops import ATTENTION_KEYWORDS, CHUNK_SIZES, DEFAULT_CHUNK_SIZE, OpSpec, attention_spec
+from gla_core.options import ImplOptions, Option, multiple_of, positive_int
+from gla_core.pallas_transforms import first_order_only, fold_vmap
+from gla_core.records import Call, Implementation
+from gla_core.registry import default_registry
+from gla_core.resolution import INTERPRET_HINT
+from gla_core.tpu import (
+    NUM_LANES,
+    NUM_SUBLANES,
+    detect_races,
+    interpret_params,
+    pad_axis,
+    round_up,
+    unsupported_dtype_reason,
+)
+from gla_core.tpu_checks import DEFAULT_SCOPED_VMEM_BYTES, CompileReport, compile_for_tpu, export_for_tpu
+from gla_core.validation import (
+    attention_call,
+    check_cu_seqlens,
+    check_gate,
+    check_state,
+    is_concrete,
+    require_bool,
+    require_float,
+    require_rank,
+    require_shape,
+    resolve_scale,
+    validate,
+    validate_common,
+    validate_qkv,
+)
+from gla_core.varlen import ChunkLayout, build_chunk_layout, from_chunks, to_chunks
+
+
+def op_spec(name: str) -> OpSpec:
+    """The installed op `name` (its arguments record class is `op_spec(name).arguments`)."""
+    return default_registry().op(name)
+
+
+__all__ = [
+    "ATTENTION_KEYWORDS",
+    "BLOCK_K_OPTION",
+    "BLOCK_V_OPTION",
+    "CHUNK_SIZES",
+    "DEFAULT_BLOCK_SIZES",
+    "DEFAULT_CHUNK_SIZE",
+    "DEFAULT_SCOPED_VMEM_BYTES",
+    "GATE_FLOOR",
+    "INTERPRET_HINT",
+    "NN",
+    "NT",
+    "NUM_LANES",
+    "NUM_SUBLANES",
+    "TN",
+    "BlockSizes",
+    "Call",
+    "ChunkConfig",
+    "ChunkLayout",
+    "ChunkMasks",
+    "CompileReport",
+    "ImplOptions",
+    "Implementation",
+    "KernelInputs",
+    "OpSpec",
+    "Option",
+    "ScalarGate",
+    "attention_call",
+    "attention_spec",
+    "block_sizes_of",
+    "build_chunk_layout",
+    "causal_dot",
+    "check_cu_seqlens",
+    "check_gate",
+    "check_state",
+    "chunk_bwd_dqkg",
+    "chunk_fwd_h",
+    "chunk_gated_attention",
+    "column_to_row",
+    "compile_for_tpu",
+    "compiler_params",
+    "cost_estimate",
+    "detect_races",
+    "dispatch_by_name",
+    "dot",
+    "empty_attention",
+    "export_for_tpu",
+    "first_order_only",
+    "floor_gates",
+    "fold_vmap",
+    "from_chunks",
+    "has_no_tokens",
+    "hookimpl",
+    "interpret_params",
+    "intra_costs",
+    "is_concrete",
+    "kernel_inputs",
+    "multiple_of",
+    "mxu_dtype",
+    "op_gradients",
+    "op_spec",
+    "pad_axis",
+    "positive_int",
+    "prepare",
+    "require_bool",
+    "require_float",
+    "require_rank",
+    "require_shape",
+    "resolve_scale",
+    "round_up",
+    "row_to_column",
+    "to_chunks",
+    "unsupported_dtype_reason",
+    "validate",
+    "validate_common",
+    "validate_qkv",
+    "varlen",
+]
