@@ -373,6 +373,41 @@ ORACLE_CASES = [
             seed=65536,
         ),
     ),
+    # bfloat16 d g_gamma 9.5e-2 > 5e-2: it sums d/da over the batch, 85 out of terms of 4400, and the
+    # dq/dk/gate kernel's bfloat16 products were 10% of it (fixed: float32 products when d g_gamma is asked).
+    _case(
+        "bf16-dg_gamma-cancels",
+        "simple_gla-chunk",
+        Spec(
+            "simple_gla",
+            seq_len=35,
+            key_dim=51,
+            value_dim=128,
+            dtype="bfloat16",
+            chunk_size=128,
+            gates=("g", "g_gamma"),
+            gate="zero",
+            cu_seqlens=(0, 0, 1, 35, 35),
+            initial_state=True,
+            seed=1127,
+        ),
+    ),
+    _case(
+        "bf16-dg_gamma-cancels",
+        "simple_gla-fused_chunk",
+        Spec(
+            "simple_gla",
+            seq_len=34,
+            key_dim=51,
+            value_dim=128,
+            dtype="bfloat16",
+            chunk_size=128,
+            gates=("g", "g_gamma"),
+            gate="zero",
+            initial_state=True,
+            seed=1128,
+        ),
+    ),
 ]
 
 

@@ -20,7 +20,7 @@ JAX transformations through Pallas implementations
 Packed sequences
   varlen (ChunkLayout, build_chunk_layout, to_chunks, from_chunks)
 The shared Pallas chunk kernels (simple_gla / gla) and their pieces
-  chunk_gated_attention, chunk_fwd_h, chunk_bwd_dqkg, ChunkConfig, KernelInputs, kernel_inputs,
+  chunk_gated_attention, chunk_fwd_h, chunk_bwd_dqkg, ChunkConfig, KernelInputs, kernel_inputs, define_chunk_vjp,
   op_gradients, prepare, BlockSizes, DEFAULT_BLOCK_SIZES, ChunkMasks, ScalarGate, GATE_FLOOR,
   floor_gates, intra_costs, empty_attention, has_no_tokens, and the in-kernel helpers dot, NN, NT,
   TN, mxu_dtype, causal_dot, row_to_column, column_to_row, compiler_params, cost_estimate;
@@ -51,7 +51,7 @@ from gla_core.chunk.common import (
 from gla_core.chunk.empty import empty_attention, has_no_tokens
 from gla_core.chunk.fwd_h import chunk_fwd_h
 from gla_core.chunk.gates import GATE_FLOOR, ChunkMasks, ScalarGate, floor_gates, intra_costs
-from gla_core.chunk.pipeline import ChunkConfig, KernelInputs, kernel_inputs, op_gradients
+from gla_core.chunk.pipeline import ChunkConfig, KernelInputs, define_chunk_vjp, kernel_inputs, op_gradients
 from gla_core.dispatch import dispatch_by_name
 from gla_core.hookspecs import hookimpl
 from gla_core.ops import ATTENTION_KEYWORDS, CHUNK_SIZES, DEFAULT_CHUNK_SIZE, OpSpec, attention_spec
@@ -135,6 +135,7 @@ __all__ = [
     "compile_for_tpu",
     "compiler_params",
     "cost_estimate",
+    "define_chunk_vjp",
     "detect_races",
     "dispatch_by_name",
     "dot",

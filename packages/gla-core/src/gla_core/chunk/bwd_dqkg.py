@@ -58,7 +58,9 @@ def _bwd_dqkg_kernel(
     dk_ref[...] = dk.astype(dk_ref.dtype)
 
 
-def chunk_bwd_dqkg(q, k, v, do, gate, h, dh, *, specs: ChunkSpecs, scale: float, interpret: bool):
+def chunk_bwd_dqkg(
+    q, k, v, do, gate, h, dh, *, specs: ChunkSpecs, scale: float, interpret: bool, float32_products: bool = False
+):
     """Query, key and gate gradients.
 
     Args:
@@ -66,6 +68,10 @@ def chunk_bwd_dqkg(q, k, v, do, gate, h, dh, *, specs: ChunkSpecs, scale: float,
       h: [B, H, NT, V, K] states before every chunk; dh: [B, H, NT, V, K] gradients of the
       states after every chunk (both float32).
       specs: K-tiled ChunkSpecs (`key_tiled`).
+      float32_products: multiply in float32 even for bfloat16 inputs. For a gate gradient that is
+        summed over many steps (d g_gamma = sum over B and T of d/da): the sum cancels to a small
+        part of its terms, so the rounding of the states and scores to bfloat16 for the MXU,
+        harmless per step, would dominate it.
 
     Returns:
       (dq [B, H, Tp, K], dk [B, H, Tp, K] in q's dtype, d/da float32): d/da is [B, H, Tp, K]
@@ -75,11 +81,12 @@ def chunk_bwd_dqkg(q, k, v, do, gate, h, dh, *, specs: ChunkSpecs, scale: float,
     """
     if specs.tiled != "k":
         raise ValueError("chunk_bwd_dqkg needs K-tiled specs with all of V in a block (ChunkSpecs.key_tiled)")
-    launch = functools.partial(_launch, specs=specs, scale=scale, interpret=interpret)
+    dtype = jnp.float32 if float32_products else mxu_dtype(q.dtype)
+    launch = functools.partial(_launch, specs=specs, scale=scale, dtype=dtype, interpret=interpret)
     return fold_vmap(launch, (q, k, v, do, gate, h, dh), in_axes=(0,) * 7, out_axes=0)
 
 
-def _launch(q, k, v, do, gate, h, dh, *, specs: ChunkSpecs, scale: float, interpret: bool):
+def _launch(q, k, v, do, gate, h, dh, *, specs: ChunkSpecs, scale: float, dtype, interpret: bool):
     b, hh, tp, kdim = q.shape
     vdim = v.shape[-1]
     nk, nt, c = specs.num_tiles, specs.num_chunks, specs.chunk
@@ -89,7 +96,7 @@ def _launch(q, k, v, do, gate, h, dh, *, specs: ChunkSpecs, scale: float, interp
         gate_grad_shape = jax.ShapeDtypeStruct((b, hh, nk, nt, 1, c), jnp.float32)
         gate_grad_spec = specs.scalar_gate_partial()
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype), gate_grad_shape]
-    kernel = functools.partial(_bwd_dqkg_kernel, gate_mode=specs.gate_mode, scale=scale, dtype=mxu_dtype(q.dtype))
+    kernel = functools.partial(_bwd_dqkg_kernel, gate_mode=specs.gate_mode, scale=scale, dtype=dtype)
     flops, transcendentals = intra_costs(specs.gate_mode, c, specs.block_k, products=2)
     flops = b * hh * nk * nt * flops + b * hh * (6 * tp * kdim * vdim + 2 * tp * c * vdim * nk)
     with jax.named_scope("chunk_bwd_dqkg"):

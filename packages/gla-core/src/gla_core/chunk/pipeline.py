@@ -139,6 +139,8 @@ class KernelInputs:
     h0: jax.Array | None
     meta: prepare.ChunkMeta
     layout: varlen.ChunkLayout | None
+    # Whether the backward multiplies in float32 for the gate gradient (`gate_grad_in_float32`).
+    float32_gate_grad: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
 def kernel_inputs(config: ChunkConfig, q, k, v, g, g_gamma, gk, initial_state, cu_seqlens) -> KernelInputs:
@@ -208,7 +210,17 @@ def _backward(config: ChunkConfig, x: KernelInputs, cotangents):
     )
     dv = chunk_bwd_dv(qk, kk, dok, gate, dh, specs=specs, scale=scale, dtype=qk.dtype, interpret=interpret)
     dq, dk, da = chunk_bwd_dqkg(
-        qk, kk, vk, dok, gate, h, dh, specs=config.dqkg_specs(), scale=scale, interpret=interpret
+        qk,
+        kk,
+        vk,
+        dok,
+        gate,
+        h,
+        dh,
+        specs=config.dqkg_specs(),
+        scale=scale,
+        interpret=interpret,
+        float32_products=x.float32_gate_grad,
     )
     return (*op_gradients(config, layout, dq, dk, dv, da, dh0, dht if has_dht else None), None)
 
@@ -247,15 +259,47 @@ def op_gradients(config: ChunkConfig, layout, dq, dk, dv, da, dh0, dht):
     return dq, dk, dv, dg, dg_gamma, dgk, d_initial
 
 
+def define_chunk_vjp(fn, forward, backward, *, implementation: str, op: str, g_gamma_argnum: int) -> None:
+    """Gives `fn` (a `jax.custom_vjp` whose argument 0 is its static config) its VJP.
+
+    `forward(config, *arrays) -> (outputs, KernelInputs)` and `backward(config, x, (do, dht))`
+    are guarded against higher-order differentiation. The VJP sees symbolic zeros: a zero
+    cotangent of the output is passed as zeros, of the final state as None; and when argument
+    `g_gamma_argnum` (g_gamma) is differentiated and the kernels multiply in bfloat16, the
+    residuals ask the backward for float32 products in the gate gradient
+    (`KernelInputs.float32_gate_grad`).
+
+    d g_gamma sums d/da over every step of the batch; that sum can cancel to a small part of its
+    terms (a fuzzed bfloat16 case: 85 out of 4400), so bfloat16 rounding of the states and scores,
+    harmless for each step's d/da, was 10% of it. float32 products cost the dq/dk/gate kernel
+    more MXU passes, so they are used only when d g_gamma is needed.
+    """
+    guarded_forward = first_order_only(forward, implementation=implementation, op=op, nondiff_argnums=(0,))
+    guarded_backward = first_order_only(backward, implementation=implementation, op=op, nondiff_argnums=(0,))
+
+    def forward_rule(config, *primals):  # primals: CustomVJPPrimal(value, perturbed) or None
+        outputs, x = guarded_forward(config, *(None if p is None else p.value for p in primals))
+        g_gamma = primals[g_gamma_argnum - 1]
+        float32_gate_grad = g_gamma is not None and g_gamma.perturbed and x.q.dtype != jnp.dtype(jnp.float32)
+        return outputs, dataclasses.replace(x, float32_gate_grad=bool(float32_gate_grad))
+
+    def backward_rule(config, x, cotangents):
+        do, dht = cotangents
+        if isinstance(do, jax.custom_derivatives.SymbolicZero):
+            do = jnp.zeros(do.aval.shape, do.aval.dtype)
+        if isinstance(dht, jax.custom_derivatives.SymbolicZero):
+            dht = None
+        return guarded_backward(config, x, (do, dht))
+
+    fn.defvjp(forward_rule, backward_rule, symbolic_zeros=True)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _chunk_attention(config, q, k, v, g, g_gamma, gk, initial_state, cu_seqlens):
     return _forward(config, q, k, v, g, g_gamma, gk, initial_state, cu_seqlens)[0]
 
 
-_chunk_attention.defvjp(
-    first_order_only(_forward, implementation=IMPLEMENTATION, op=OPS, nondiff_argnums=(0,)),
-    first_order_only(_backward, implementation=IMPLEMENTATION, op=OPS, nondiff_argnums=(0,)),
-)
+define_chunk_vjp(_chunk_attention, _forward, _backward, implementation=IMPLEMENTATION, op=OPS, g_gamma_argnum=5)
 
 
 def chunk_gated_attention(

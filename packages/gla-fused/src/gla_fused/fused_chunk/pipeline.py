@@ -28,8 +28,8 @@ from gla_core.kit import (
     KernelInputs,
     chunk_bwd_dqkg,
     chunk_fwd_h,
+    define_chunk_vjp,
     empty_attention,
-    first_order_only,
     has_no_tokens,
     kernel_inputs,
     op_gradients,
@@ -125,6 +125,7 @@ def _backward(config: FusedConfig, x: KernelInputs, cotangents):
         specs=cfg.dqkg_specs(),
         scale=scale,
         interpret=interpret,
+        float32_products=x.float32_gate_grad,
     )
     dq, dk, dv, dg, dg_gamma, _, d_initial = op_gradients(cfg, None, dq, dk, dv, da, dh0, None)
     return dq, dk, dv, dg, dg_gamma, d_initial
@@ -135,10 +136,7 @@ def _fused_attention(config, q, k, v, g, g_gamma, initial_state):
     return _forward(config, q, k, v, g, g_gamma, initial_state)[0]
 
 
-_fused_attention.defvjp(
-    first_order_only(_forward, implementation=IMPLEMENTATION, op=OP, nondiff_argnums=(0,)),
-    first_order_only(_backward, implementation=IMPLEMENTATION, op=OP, nondiff_argnums=(0,)),
-)
+define_chunk_vjp(_fused_attention, _forward, _backward, implementation=IMPLEMENTATION, op=OP, g_gamma_argnum=5)
 
 
 def fused_chunk_attention(
