@@ -23,7 +23,8 @@ The shared Pallas chunk kernels (simple_gla / gla) and their pieces
   chunk_gated_attention, chunk_fwd_h, chunk_bwd_dqkg, ChunkConfig, KernelInputs, kernel_inputs, define_chunk_vjp,
   op_gradients, prepare, BlockSizes, DEFAULT_BLOCK_SIZES, ChunkMasks, ScalarGate, GATE_FLOOR,
   floor_gates, intra_costs, empty_attention, has_no_tokens, and the in-kernel helpers dot, NN, NT,
-  TN, mxu_dtype, causal_dot, row_to_column, column_to_row, compiler_params, cost_estimate;
+  TN (and BATCHED_NN, BATCHED_NT, BATCHED_TN over a leading batch axis), mxu_dtype, causal_dot,
+  row_to_column, column_to_row, compiler_params, cost_estimate;
   the tile options of their implementations: BLOCK_V_OPTION, BLOCK_K_OPTION, block_sizes_of
 Checks for TPU without a TPU (tests)
   export_for_tpu, compile_for_tpu, CompileReport, DEFAULT_SCOPED_VMEM_BYTES, INTERPRET_HINT
@@ -33,6 +34,9 @@ from gla_core import varlen
 from gla_core.chunk import BlockSizes, chunk_gated_attention, prepare
 from gla_core.chunk.bwd_dqkg import chunk_bwd_dqkg
 from gla_core.chunk.common import (
+    BATCHED_NN,
+    BATCHED_NT,
+    BATCHED_TN,
     BLOCK_K_OPTION,
     BLOCK_V_OPTION,
     DEFAULT_BLOCK_SIZES,
@@ -95,6 +99,9 @@ def op_spec(name: str) -> OpSpec:
 
 __all__ = [
     "ATTENTION_KEYWORDS",
+    "BATCHED_NN",
+    "BATCHED_NT",
+    "BATCHED_TN",
     "BLOCK_K_OPTION",
     "BLOCK_V_OPTION",
     "CHUNK_SIZES",

@@ -5,7 +5,7 @@ the default tolerance of the input dtype (`gla_ref.testing.TOLERANCES`: float32 
 outputs, 1e-4 for gradients). Each case combines several situations: every gate kind (g,
 g_gamma, g + g_gamma, none), h0/ht, a decay of -10 per step at chunk 128, T not a multiple
 of the chunk, K/V not multiples of 128 with V in two tiles, NT = 1, 2, a number of chunks
-num_steps does not divide, bf16. num_steps 4, 2 and 1 must give bit-identical results.
+num_steps does not divide, bf16. num_steps 8, 4, 2 and 1 differ only in summation order.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def dispatched(interpret: bool, **options):
 
 DISPATCH_CASES = {
     # |g| * C = 1280: only overflow-safe, cancellation-free exponents keep the small gate
-    # gradient (a non-finite value is an infinite error). NT = 2: num_steps 4 -> 2.
+    # gradient (a non-finite value is an infinite error). NT = 2: num_steps 8 -> 2.
     "g_gamma=-10 chunk 128 NT=2 h0 ht": lambda: _with_inputs(
         make_case(
             "simple_gla",
@@ -133,10 +133,10 @@ def _outputs_and_grads(fn, case) -> dict[str, np.ndarray]:
     return {name: np.asarray(x) for name, x in result.items()}
 
 
-def test_num_steps_give_identical_results(interpret):
-    """g + g_gamma, T = 128 at chunk 16 (NT = 8): 4, 2 and 1 chunks per grid iteration do the
-    same float operations in the same order, so every output and gradient is bit-identical;
-    and they match the oracle."""
+def test_num_steps_change_only_the_summation_order(interpret):
+    """g + g_gamma, T = 128 at chunk 16 (NT = 8): 8, 4, 2 and 1 chunks per grid iteration match the
+    oracle and each other within the float32 rearrangement bound (the chunks of an iteration are
+    batched into one matmul, whose summation order may depend on the batch size)."""
     case = make_case(
         "simple_gla",
         seq_len=128,
@@ -148,12 +148,12 @@ def test_num_steps_give_identical_results(interpret):
         output_final_state=True,
         seed=3,
     )
-    results = {steps: _outputs_and_grads(dispatched(interpret, num_steps=steps), case) for steps in (4, 2, 1)}
+    results = {steps: _outputs_and_grads(dispatched(interpret, num_steps=steps), case) for steps in (8, 4, 2, 1)}
     reference = oracle(case)
     expected = {**reference.outputs, **reference.grads}
-    assert set(results[4]) == set(expected)
-    tol = TOLERANCES["float32"]
+    assert set(results[8]) == set(expected)
+    tol, rearranged = TOLERANCES["float32"], TOLERANCES["float32_rearranged"]
     for name, ref in expected.items():
-        assert_close(name, results[4][name], ref, tol.output if name in reference.outputs else tol.grad)
-        for steps in (2, 1):
-            np.testing.assert_array_equal(results[steps][name], results[4][name], err_msg=f"{name}, num_steps={steps}")
+        assert_close(name, results[8][name], ref, tol.output if name in reference.outputs else tol.grad)
+        for steps in (4, 2, 1):
+            assert_close(f"{name}, num_steps={steps}", results[steps][name], results[8][name], rearranged.output)

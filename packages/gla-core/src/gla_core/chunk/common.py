@@ -21,6 +21,10 @@ from gla_core.tpu import NUM_LANES
 NN = (((1,), (0,)), ((), ()))  # a @ b
 NT = (((1,), (1,)), ((), ()))  # a @ b.T
 TN = (((0,), (0,)), ((), ()))  # a.T @ b
+# The same with a leading batch axis n on both operands (e.g. the chunks of one grid iteration):
+BATCHED_NN = (((2,), (1,)), ((0,), (0,)))  # [n, a, b] x [n, b, c] -> [n, a, c]
+BATCHED_NT = (((2,), (2,)), ((0,), (0,)))  # [n, a, b] x [n, c, b] -> [n, a, c]
+BATCHED_TN = (((1,), (1,)), ((0,), (0,)))  # [n, b, a] x [n, b, c] -> [n, a, c]
 
 
 @dataclasses.dataclass(frozen=True)
