@@ -90,10 +90,11 @@ def test_fused_chunk_matches_oracle(name, interpret):
     assert set(errors) >= {"o", "dq", "dk", "dv"}
 
 
-def test_partial_num_steps_and_two_value_tiles_match_oracle(interpret):
+def test_partial_num_steps_and_two_value_tiles_match_oracle(interpret, no_races):
     """T = 90 at chunk 16 is NT = 6 chunks (the last one partial): num_steps 4 runs 3 chunks per
     grid iteration. K = 160 and V = 150 pad to 256; 128-wide tiles split V (fused kernels)
-    and K (dq/dk/dgate kernel) in two."""
+    and K (dq/dk/dgate kernel) in two. The parallel tiles, heads and batch rows run on two simulated
+    cores with race detection."""
     case = make_case(
         "simple_gla",
         batch=2,
