@@ -9,8 +9,9 @@ from the last to the first:
 
 `G` starts from the final-state cotangent `dht` (or zero) and stays in VMEM; after the first
 chunk it is the initial-state gradient `dh0`. The grid is (B, H, NV, NT / num_steps) with the
-time axis walked backwards through the index maps; every grid iteration builds the chunk
-masks once and handles its `num_steps` chunks in a static loop, last chunk first.
+time axis walked backwards through the index maps. Every grid iteration computes what does not
+depend on the carried gradient for all its `num_steps` chunks at once, with matmuls batched over
+the chunk axis; only the recurrence of G walks the chunks (elementwise, last chunk first).
 
 The per-chunk gradients `dh` [B, H, NT, V, K] are float32, like the recomputed states `h`:
 pass 2 (`gla_core.chunk.bwd_dqkg.chunk_bwd_dqkg`, parallel over time) takes float32 states and
@@ -29,7 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from gla_core.kit import NT, TN, ChunkMasks, ScalarGate, dot, fold_vmap, mxu_dtype
+from gla_core.kit import BATCHED_NT, BATCHED_TN, ChunkMasks, dot, fold_vmap, mxu_dtype
+from gla_fused.fused_chunk.block_gate import BlockGate
 from gla_fused.fused_chunk.launch import sequential_call
 from gla_fused.fused_chunk.specs import FusedSpecs
 
@@ -49,17 +51,27 @@ def _bwd_dhdv_kernel(*refs, num_steps, chunk, has_dht, has_dh0, scale, dtype):
     def _start():
         grad_ref[...] = dht_ref[...].astype(F32) if has_dht else jnp.zeros(grad_ref.shape, F32)
 
-    masks = ChunkMasks(chunk)
+    n, c = num_steps, chunk
+    masks = ChunkMasks(c)
+    gate = BlockGate(gate_ref[...].reshape(n, c), masks)
+    from_start, to_end = gate.from_start, gate.to_end
+    q = q_ref[...].reshape(n, c, q_ref.shape[-1])
+    k = k_ref[...].reshape(n, c, k_ref.shape[-1])
+    do = do_ref[...].reshape(n, c, do_ref.shape[-1])
+    # Every chunk at once, batched over the chunk axis: the intra-chunk part of dv and each chunk's
+    # contribution to the state gradient.
+    intra = dot(gate.scores(q, k, dtype), do, BATCHED_TN, dtype)  # [S, C, Vt]: sum_{t>=s} scores_ts do_t
+    contributions = scale * dot(do, q.astype(F32) * from_start, BATCHED_TN, dtype)  # [S, Vt, K]
+    # The only sequential part, last chunk first: the gradient of the state after each chunk.
     grad = grad_ref[...]
-    for s in reversed(range(num_steps)):
-        rows = pl.ds(s * chunk, chunk)
-        q, k, do = q_ref[rows, :], k_ref[rows, :], do_ref[rows, :]
-        gate = ScalarGate(gate_ref[s], dtype, masks)
-        dh_ref[s] = grad
-        from_state = dot(k.astype(F32) * gate.to_end(), grad, NT, dtype)  # [C, Vt]
-        intra = dot(gate.scores(q, k), do, TN, dtype)  # [C, Vt]
-        dv_ref[rows, :] = (from_state + scale * intra).astype(dv_ref.dtype)
-        grad = grad * gate.last_decay() + scale * dot(do, q.astype(F32) * gate.from_start(), TN, dtype)
+    grads = [None] * n
+    for s in reversed(range(n)):
+        grads[s] = grad
+        grad = grad * gate.last[s : s + 1, :] + contributions[s]
+    after = jnp.stack(grads)  # [S, Vt, K]
+    dh_ref[...] = after
+    from_state = dot(k.astype(F32) * to_end, after, BATCHED_NT, dtype)  # [S, C, Vt]
+    dv_ref[...] = (from_state + scale * intra).reshape(n * c, -1).astype(dv_ref.dtype)
     grad_ref[...] = grad
 
     if has_dh0:

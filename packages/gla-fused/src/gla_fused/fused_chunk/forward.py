@@ -27,15 +27,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from gla_core.kit import BATCHED_NN, BATCHED_NT, BATCHED_TN, NN, ChunkMasks, dot, fold_vmap, mxu_dtype
+from gla_fused.fused_chunk.block_gate import BlockGate, rows_to_columns
 from gla_fused.fused_chunk.launch import sequential_call
 from gla_fused.fused_chunk.specs import FusedSpecs
 
 F32 = jnp.float32
-
-
-def _rows_to_columns(rows: jax.Array, diagonal: jax.Array) -> jax.Array:
-    """[S, C] -> [S, C, 1] exactly (diagonal select and lane sum; no transpose op)."""
-    return jnp.sum(jnp.where(diagonal[None], rows[:, None, :], 0.0), axis=2, keepdims=True)
 
 
 def _fwd_kernel(*refs, num_steps, chunk, has_h0, has_ht, scale, dtype):
@@ -55,35 +51,27 @@ def _fwd_kernel(*refs, num_steps, chunk, has_h0, has_ht, scale, dtype):
     q = q_ref[...].reshape(n, c, q_ref.shape[-1])
     k = k_ref[...].reshape(n, c, k_ref.shape[-1])
     v = v_ref[...]
-    a = gate_ref[...].reshape(n, c)  # per-step log decays, one row per chunk
-    # Every chunk of the iteration at once, batched over the chunk axis: decays, scores, intra-chunk
-    # outputs and state contributions. Exponents are sums of log decays (<= 0), never differences.
-    through = dot(a, masks.upper, NN, F32)  # b_t = sum_{u<=t} a_u  [S, C]
-    after = dot(a, masks.strict_lower, NN, F32)  # b_L - b_t            [S, C]
-    rows_a = jnp.where(masks.causal[None], a[:, None, :], 0.0).reshape(n * c, c)
-    segment = dot(rows_a, masks.strict_lower, NN, F32).reshape(n, c, c)  # sum_{s<u<=t} a_u
-    decay = jnp.where(masks.causal[None], jnp.exp(jnp.where(masks.causal[None], segment, 0.0)), 0.0)
-    scores = jnp.where(masks.causal[None], dot(q, k, BATCHED_NT, dtype), 0.0) * decay
+    gate = BlockGate(gate_ref[...].reshape(n, c), masks)  # per-step log decays, one row per chunk
+    from_start, to_end = gate.from_start, gate.to_end
+    # Every chunk of the iteration at once, batched over the chunk axis: scores, intra-chunk outputs
+    # and each chunk's state contribution.
     finite = jnp.isfinite(v.astype(F32))
     v_finite = jnp.where(finite, v, jnp.zeros((), v.dtype)).reshape(n, c, v.shape[-1])
-    intra = dot(scores, v_finite, BATCHED_NN, dtype)  # [S, C, Vt]
+    intra = dot(gate.scores(q, k, dtype), v_finite, BATCHED_NN, dtype)  # [S, C, Vt]
     # A non-finite v_s reaches the rows t >= s of its chunk only (as `causal_dot`), later chunks through the state.
     bad_rows = jnp.max(jnp.where(finite, 0.0, 1.0), axis=1).reshape(n, c)
     bad = dot(bad_rows, masks.upper, NN, F32)  # > 0 from the first non-finite step of the chunk on
-    from_start = _rows_to_columns(jnp.exp(through), masks.diagonal)  # [S, C, 1]
-    to_end = _rows_to_columns(jnp.exp(after), masks.diagonal)
     contributions = dot(v.reshape(n, c, -1), k.astype(F32) * to_end, BATCHED_TN, dtype)  # [S, Vt, K]
-    last = jnp.exp(jnp.sum(a, axis=1, keepdims=True))  # [S, 1]
     # The only sequential part: the state before each chunk, elementwise.
     state = state_ref[...]
     states = []
     for s in range(n):
         states.append(state)
-        state = state * last[s : s + 1, :] + contributions[s]
+        state = state * gate.last[s : s + 1, :] + contributions[s]
     state_ref[...] = state
     inter = dot(q.astype(F32) * from_start, jnp.stack(states), BATCHED_NT, dtype)  # [S, C, Vt]
     o = scale * (inter + intra)
-    o = jnp.where(_rows_to_columns(bad, masks.diagonal) > 0.0, jnp.nan, o)
+    o = jnp.where(rows_to_columns(bad, masks.diagonal) > 0.0, jnp.nan, o)
     o_ref[...] = o.reshape(n * c, -1).astype(o_ref.dtype)
 
     if has_ht:
