@@ -240,7 +240,7 @@ def validate(
 
     Args:
       spec: the op.
-      arrays: its positional arrays (q, k, v; or g for kda_gate).
+      arrays: its positional arrays, named by `spec.arrays` (q, k, v for the attention ops).
       kwargs: keyword arguments by FLA's names (or the op's aliases).
       backend: the backend the call runs on.
       interpret: the default interpret mode when the call does not say.

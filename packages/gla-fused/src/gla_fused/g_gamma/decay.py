@@ -13,7 +13,7 @@ the state after the chunk is decayed by exactly `e^{gamma n}`. With `b_t = gamma
 Exponents are `gamma` times a non-negative integer (the lag is masked to 0 above the
 diagonal before `exp`), so for `gamma <= 0` no argument is positive: with `gamma = -10`
 and C = 128 nothing overflows, where `e^{b_t} e^{-b_s}` would. A hard reset (`gamma = -inf`)
-arrives floored at `gla_core.chunk.gates.GATE_FLOOR` (the pipeline does it): `-inf * 0` would
+arrives floored at `gla_core.kit.GATE_FLOOR` (the pipeline does it): `-inf * 0` would
 be NaN for the lag-0 and position-0 factors, `GATE_FLOOR * 0 = 0` gives their exact `e^0 = 1`,
 and every other factor underflows to exactly 0. The derivatives in `gamma`
 (used by the backward) multiply each factor by its exponent over gamma: `p_t`, `n - p_t`,
