@@ -51,6 +51,12 @@ RESETS = {
         "g",
         [(0, 0, 0), (0, 15, 1), (1, 64, 0), (1, 63, 1), (0, 100, 1), (1, 127, 0)],
     ),
+    "fused_chunk g several resets in a chunk": (
+        "fused_chunk",
+        dict(gates=("g",), seq_len=100, chunk_size=64),
+        "g",
+        [(0, 3, 0), (0, 10, 0), (0, 11, 0), (0, 40, 0), (0, 41, 1), (0, 90, 1), (0, 95, 1), (0, 99, 1)],
+    ),
     "fused_chunk g+g_gamma one g_gamma head chunk 64": (
         "fused_chunk",
         dict(gates=("g", "g_gamma"), seq_len=100, chunk_size=64),

@@ -102,30 +102,38 @@ def _named(problem: Problem, values: Sequence) -> tuple[tuple, dict]:
     return arrays, {**problem.keywords, **named}
 
 
-def forward_fn(problem: Problem, impl: str):
-    """fn(*differentiable arrays) -> o, for compiling the forward alone."""
+def forward_fn(problem: Problem, impl: str | None, impl_options: dict | None = None):
+    """fn(*differentiable arrays) -> (o, final state), for compiling the forward alone."""
 
     def forward(*values):
         arrays, keywords = _named(problem, values)
-        return dispatch(problem.op, *arrays, impl=impl, **keywords)[0]
+        return dispatch(problem.op, *arrays, impl=impl, impl_options=impl_options or {}, **keywords)
 
     return forward
 
 
-def training_step_fn(problem: Problem, impl: str):
-    """fn(*differentiable arrays, do) -> gradients of sum(o * do) for every differentiable input."""
+def training_step_fn(problem: Problem, impl: str | None, impl_options: dict | None = None):
+    """fn(*differentiable arrays, do, dht) -> (o, final state) and the gradients of
+    sum(o * do) + sum(final state * dht) for every differentiable input."""
 
-    def loss(values, do):
-        arrays, keywords = _named(problem, values)
-        o, _ = dispatch(problem.op, *arrays, impl=impl, **keywords)
-        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+    def step(*args):
+        values, do, dht = args[:-2], args[-2], args[-1]
 
-    return lambda *args: jax.grad(loss)(args[:-1], args[-1])
+        def run(*values):
+            arrays, keywords = _named(problem, values)
+            return dispatch(problem.op, *arrays, impl=impl, impl_options=impl_options or {}, **keywords)
+
+        outputs, vjp = jax.vjp(run, *values)
+        return outputs, vjp((do, dht))
+
+    return step
 
 
 def training_structs(problem: Problem) -> list[jax.ShapeDtypeStruct]:
-    """Arguments of `training_step_fn(problem, impl)`: every differentiable input, then `do`."""
-    return [*(_struct_of(problem, n) for n in problem.differentiable), problem.arrays[2]]
+    """Arguments of `training_step_fn(problem, impl)`: every differentiable input, then the
+    cotangents `do` and `dht`."""
+    final_state = problem.keywords["initial_state"]
+    return [*(_struct_of(problem, n) for n in problem.differentiable), problem.arrays[2], final_state]
 
 
 def tpu_implementations(problem: Problem) -> list[tuple[str, str | None]]:
@@ -182,7 +190,7 @@ def measure(
             continue
         structs = training_structs(problem)
         try:
-            forward = compile_for_tpu(forward_fn(problem, name), structs[:-1], chip=chip)
+            forward = compile_for_tpu(forward_fn(problem, name), structs[:-2], chip=chip)
             training = compile_for_tpu(training_step_fn(problem, name), structs, chip=chip)
             row = CostRow(problem, name, chip, forward, training)
             rows.append(_with_cycles(row) if cycles and chip == "v6e" else row)
@@ -279,13 +287,33 @@ def render_markdown(rows: Sequence[CostRow]) -> str:
     return "\n".join(lines)
 
 
+def build_program(spec: dict):
+    """`(fn, argument structs)` of the program a `gla_core.static_profile` spec describes.
+
+    `{"program": "matmul", "size": N}`: an N^3 bfloat16 matmul (the clock calibration);
+    `{"program": "attention", "op", "batch", "seq_len", "heads", "gate", "impl", "stage"}`: the
+    forward (`stage` "fwd") or the training step ("train") of `attention_problem(...)` with `impl`
+    (None: the default implementation on TPU) and `impl_options` if given.
+    """
+    if spec["program"] == "matmul":
+        n = spec["size"]
+        matrix = _struct(n, n)
+        return (lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype)), [matrix, matrix]
+    problem = attention_problem(spec["op"], spec["batch"], spec["seq_len"], spec["heads"], gate=spec["gate"])
+    options = spec.get("impl_options") or {}
+    structs = training_structs(problem)
+    if spec["stage"] == "fwd":
+        return forward_fn(problem, spec["impl"], options), structs[:-2]
+    return training_step_fn(problem, spec["impl"], options), structs
+
+
 def compile_stage(spec: dict) -> None:
     """Compiles one forward (`spec["stage"] == "fwd"`) or training step for a compile-only v6e
     device; `gla_core.cycles` runs it in a subprocess with libtpu's static profile enabled."""
     problem = attention_problem(spec["op"], spec["batch"], spec["seq_len"], spec["heads"], gate=spec["gate"])
     structs = training_structs(problem)
     if spec["stage"] == "fwd":
-        compile_for_tpu(forward_fn(problem, spec["impl"]), structs[:-1], chip="v6e")
+        compile_for_tpu(forward_fn(problem, spec["impl"]), structs[:-2], chip="v6e")
     else:
         compile_for_tpu(training_step_fn(problem, spec["impl"]), structs, chip="v6e")
 

@@ -26,6 +26,9 @@ The shared Pallas chunk kernels (simple_gla / gla) and their pieces
   TN (and BATCHED_NN, BATCHED_NT, BATCHED_TN over a leading batch axis), mxu_dtype, causal_dot,
   row_to_column, column_to_row, compiler_params, cost_estimate;
   the tile options of their implementations: BLOCK_V_OPTION, BLOCK_K_OPTION, block_sizes_of
+Kernels on the op's own token-major layout (no transposed copies)
+  merge_heads, split_heads (the free [B, T*H, D] view), HeadRows, heads_per_group (per-head rows of a block),
+  chunk_cumsum, two_sum, floor_cumsum_gates, CUMSUM_GATE_FLOOR (compensated in-kernel cumulative log decays)
 Checks for TPU without a TPU (tests)
   export_for_tpu, compile_for_tpu, CompileReport, DEFAULT_SCOPED_VMEM_BYTES, INTERPRET_HINT
 """
@@ -52,6 +55,7 @@ from gla_core.chunk.common import (
     mxu_dtype,
     row_to_column,
 )
+from gla_core.chunk.cumsum import CUMSUM_GATE_FLOOR, chunk_cumsum, floor_cumsum_gates, two_sum
 from gla_core.chunk.empty import empty_attention, has_no_tokens
 from gla_core.chunk.fwd_h import chunk_fwd_h
 from gla_core.chunk.gates import GATE_FLOOR, ChunkMasks, ScalarGate, floor_gates, intra_costs
@@ -64,6 +68,7 @@ from gla_core.pallas_transforms import first_order_only, fold_vmap
 from gla_core.records import Call, Implementation
 from gla_core.registry import default_registry
 from gla_core.resolution import INTERPRET_HINT
+from gla_core.token_major import HeadRows, heads_per_group, merge_heads, split_heads
 from gla_core.tpu import (
     NUM_LANES,
     NUM_SUBLANES,
@@ -105,6 +110,7 @@ __all__ = [
     "BLOCK_K_OPTION",
     "BLOCK_V_OPTION",
     "CHUNK_SIZES",
+    "CUMSUM_GATE_FLOOR",
     "DEFAULT_BLOCK_SIZES",
     "DEFAULT_CHUNK_SIZE",
     "DEFAULT_SCOPED_VMEM_BYTES",
@@ -121,6 +127,7 @@ __all__ = [
     "ChunkLayout",
     "ChunkMasks",
     "CompileReport",
+    "HeadRows",
     "ImplOptions",
     "Implementation",
     "KernelInputs",
@@ -136,6 +143,7 @@ __all__ = [
     "check_gate",
     "check_state",
     "chunk_bwd_dqkg",
+    "chunk_cumsum",
     "chunk_fwd_h",
     "chunk_gated_attention",
     "column_to_row",
@@ -149,15 +157,18 @@ __all__ = [
     "empty_attention",
     "export_for_tpu",
     "first_order_only",
+    "floor_cumsum_gates",
     "floor_gates",
     "fold_vmap",
     "from_chunks",
     "has_no_tokens",
+    "heads_per_group",
     "hookimpl",
     "interpret_params",
     "intra_costs",
     "is_concrete",
     "kernel_inputs",
+    "merge_heads",
     "multiple_of",
     "mxu_dtype",
     "op_gradients",
@@ -172,7 +183,9 @@ __all__ = [
     "resolve_scale",
     "round_up",
     "row_to_column",
+    "split_heads",
     "to_chunks",
+    "two_sum",
     "unsupported_dtype_reason",
     "validate",
     "validate_common",

@@ -106,7 +106,8 @@ def export_for_tpu(fn: Callable[..., Any], *args: jax.ShapeDtypeStruct) -> jax.e
 
 
 @functools.cache
-def _compile_only_device(chip: str):
+def compile_only_device(chip: str):
+    """The first device of a compile-only `TOPOLOGIES[chip]` topology (needs libtpu)."""
     from jax.experimental import topologies
 
     if chip not in TOPOLOGIES:
@@ -116,7 +117,7 @@ def _compile_only_device(chip: str):
 
 def compile_for_tpu(fn: Callable[..., Any], args: Sequence[jax.ShapeDtypeStruct], chip: str = "v6e") -> CompileReport:
     """Compiles `fn(*args)` for a compile-only TPU device of `chip` and reports memory use."""
-    device = _compile_only_device(chip)
+    device = compile_only_device(chip)
     sharding = jax.sharding.SingleDeviceSharding(device)
     placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
     with use(backend="tpu", interpret=False):

@@ -108,21 +108,37 @@ def _pallas_grids(jaxpr) -> list[tuple[int, ...]]:
     return grids
 
 
+@pytest.mark.parametrize(("block_tokens", "time_steps"), [(16, 8), (32, 4), (48, 4), (128, 1)])
+def test_block_tokens_option_sets_the_forward_grid(block_tokens, time_steps):
+    """T = 128 at kernel chunk 16 is 8 chunks: `block_tokens` (rounded down to a divisor of the
+    chunks) reaches the forward kernel's grid (B, T / block_tokens)."""
+    q = jnp.zeros((1, 128, 2, 32))
+    g = jnp.zeros((1, 128, 2))
+
+    def forward(q, k, v, g):
+        options = {"fused_chunk": {"kernel_chunk": 16, "block_tokens": block_tokens}}
+        o, _ = gla_core.dispatch("simple_gla", q, k, v, g=g, impl="fused_chunk", interpret=True, impl_options=options)
+        return o
+
+    (grid,) = _pallas_grids(jax.make_jaxpr(forward)(q, q, q, g).jaxpr)
+    assert grid == (1, time_steps)
+
+
 @pytest.mark.parametrize(("num_steps", "time_steps"), [(1, 8), (2, 4), (4, 2), (8, 1)])
-def test_num_steps_option_sets_the_kernels_grid(num_steps, time_steps):
-    """T = 128 at chunk 16 is 8 chunks: `impl_options` num_steps reaches the forward kernel's grid."""
+def test_num_steps_option_sets_the_backward_pass_grid(num_steps, time_steps):
+    """T = 128 at chunk 16 is 8 chunks: `num_steps` reaches the grid of the backward's sequential pass."""
     q = jnp.zeros((1, 128, 1, 32))
     g = jnp.zeros((1, 128, 1))
 
-    def forward(q, k, v, g):
+    def loss(q, k, v, g):
         options = {"fused_chunk": {"num_steps": num_steps}}
         o, _ = gla_core.dispatch(
             "simple_gla", q, k, v, g=g, chunk_size=16, impl="fused_chunk", interpret=True, impl_options=options
         )
-        return o
+        return o.sum()
 
-    (grid,) = _pallas_grids(jax.make_jaxpr(forward)(q, q, q, g).jaxpr)
-    assert grid[-1] == time_steps
+    grids = _pallas_grids(jax.make_jaxpr(jax.grad(loss))(q, q, q, g).jaxpr)
+    assert (1, 1, 1, time_steps) in grids
 
 
 def test_explain_shows_fused_chunk_options():
@@ -130,7 +146,10 @@ def test_explain_shows_fused_chunk_options():
     with gla_core.use(backend="tpu"):
         resolution = gla_core.explain("simple_gla", q, k, v, g=g, impl_options={"fused_chunk": {"num_steps": 2}})
     assert resolution.winner.name == "fused_chunk"
-    assert resolution.options.describe() == "block_k=256 (default), block_v=256 (default), num_steps=2"
+    assert resolution.options.describe() == (
+        "block_k=256 (default), block_tokens=128 (default), block_v=256 (default), kernel_chunk=128 (default), "
+        "num_steps=2"
+    )
 
 
 @pytest.mark.parametrize(

@@ -99,9 +99,10 @@ def dot(a: jax.Array, b: jax.Array, dims, dtype) -> jax.Array:
     )
 
 
-def compiler_params(*semantics: str) -> pltpu.CompilerParams:
-    """Mosaic compiler parameters with the given grid dimension semantics."""
-    return pltpu.CompilerParams(dimension_semantics=tuple(semantics))
+def compiler_params(*semantics: str, vmem_limit_bytes: int | None = None) -> pltpu.CompilerParams:
+    """Mosaic compiler parameters with the given grid dimension semantics and, when given, the
+    scoped VMEM limit (Mosaic's per-chip default otherwise)."""
+    return pltpu.CompilerParams(dimension_semantics=tuple(semantics), vmem_limit_bytes=vmem_limit_bytes)
 
 
 def nbytes(*arrays) -> int:

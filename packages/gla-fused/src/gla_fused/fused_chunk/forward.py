@@ -1,135 +1,250 @@
-"""`fused_chunk_fwd`: the whole forward in one kernel, the state carried in VMEM, `o` written directly.
+"""`fused_chunk_fwd`: the forward in one kernel, reading and writing the op's own layouts.
 
-Per chunk (b_t the sum of the chunk's log decays through step t, L its last step, S the
-state before the chunk, stored transposed `[V, K]`):
+Per head and chunk (b_t the sum of the chunk's log decays through step t, L its last step, S
+the `[K, V]` state before the chunk):
 
-    o_t = scale * ( (q_t * e^{b_t}) S  +  sum_{s<=t} (q_t . k_s) e^{b_t - b_s} v_s )
-    S  <- e^{b_L} S + sum_t (k_t * e^{b_L - b_t}) v_t^T
+    o_t = scale * ( e^{b_t} q_t S  +  sum_{s<=t} (q_t . k_s) e^{b_t - b_s} v_s )
+    S  <- e^{b_L} S + sum_s e^{b_L - b_s} k_s v_s^T
 
-The grid is (B, H, NV, NT / num_steps): batch, heads and V tiles are parallel, time is
-sequential ("arbitrary"). Each grid iteration loads `num_steps` consecutive chunks and
-computes everything that does not depend on the carried state for all of them at once, with
-matmuls batched over the chunk axis (decays, scores, intra-chunk outputs, each chunk's state
-contribution); only the state recurrence itself, an elementwise update, walks the chunks in
-order, and one more batched matmul applies each chunk's incoming state. Dependent chains of
-small matmuls per chunk (the previous form) cost 3-4x more by libtpu's static estimate. The
-per-chunk states never leave VMEM (the plain chunk path writes them to HBM for a second
-kernel to read). The state starts from `initial_state` (or zero) at the first iteration; the
-final state is written at the last one. States are float32.
+The grid is (B, T / Tb): batch rows are parallel, time is sequential ("arbitrary"). A grid step
+takes all H heads of Tb tokens straight from the `[B, T*H, D]` views of q, k, v and o (see
+`gla_core.kit.HeadRows`), the gates as `[H, Tb]` rows, and the initial and final states in the
+op's `[B, H, K, V]` layout: no transposed or padded copy of anything in HBM. The states of all
+heads stay in VMEM along the time walk.
+
+Every exponent is a segment sum from the compensated chunk cumsums (`gla_core.kit.chunk_cumsum`)
+and is <= 0 where it is used; `scale` enters as log(scale) in the exponents of the intra-chunk
+decays and as a factor of the inter-chunk ones. Non-finite inputs: a grid step first computes
+without masks (the decays are exactly 0 above the diagonal); if the sum of its new states is not
+finite (a non-finite k or v, or an earlier one), it recomputes from its initial states (kept by
+step parity in a two-slot state scratch) masking the causal scores with `jnp.where` and the
+values' non-finite entries, every row from a chunk's first non-finite value on being NaN, as in
+the recurrence. A non-finite q_t or gate reaches only rows at or after t without masks.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
-from gla_core.kit import BATCHED_NN, BATCHED_NT, BATCHED_TN, NN, ChunkMasks, dot, fold_vmap, mxu_dtype
-from gla_fused.fused_chunk.block_gate import BlockGate, rows_to_columns
-from gla_fused.fused_chunk.launch import sequential_call
-from gla_fused.fused_chunk.specs import FusedSpecs
+from gla_core.kit import (
+    NN,
+    NT,
+    HeadRows,
+    chunk_cumsum,
+    compiler_params,
+    cost_estimate,
+    dot,
+    heads_per_group,
+    interpret_params,
+)
 
 F32 = jnp.float32
+# Masked exponents: exp of it is exactly 0 in float32.
+MASKED = -1e30
 
 
-def _fwd_kernel(*refs, num_steps, chunk, has_h0, has_ht, scale, dtype):
-    q_ref, k_ref, v_ref, gate_ref = refs[:4]  # [S*C, K], [S*C, K], [S*C, Vt], [S, 1, C]
-    h0_ref = refs[4] if has_h0 else None  # [Vt, K]
-    o_ref = refs[4 + has_h0]  # [S*C, Vt]
-    ht_ref = refs[5 + has_h0] if has_ht else None  # [Vt, K]
-    state_ref = refs[-1]  # VMEM scratch [Vt, K] float32
-    step = pl.program_id(3)
+@dataclasses.dataclass(frozen=True)
+class ForwardGeometry:
+    """Static sizes of one forward call.
+
+    Attributes:
+      num_heads: H.
+      chunk: C, tokens per chunk (a power of two).
+      block_tokens: Tb, tokens per grid step (a multiple of C that divides T).
+      scale: the query scale.
+      has_h0, has_ht: an initial state is given; the final state is returned.
+      mxu_dtype: the dtype of the matmul operands (bfloat16 or float32).
+      interpret: TPU interpret mode.
+    """
+
+    num_heads: int
+    chunk: int
+    block_tokens: int
+    scale: float
+    has_h0: bool
+    has_ht: bool
+    mxu_dtype: jnp.dtype
+    interpret: bool
+
+    @property
+    def chunks_per_block(self) -> int:
+        return self.block_tokens // self.chunk
+
+
+class ChunkDecays:
+    """The decays of one head's chunk from its compensated cumulative log decays (rows `[1, C]`).
+
+    `log_scale` is added to the intra-chunk exponents (the output's scale).
+    """
+
+    def __init__(self, hi: jax.Array, lo: jax.Array, causal: jax.Array, log_scale: float):
+        c = hi.shape[1]
+        self.hi, self.lo, self.causal = hi, lo, causal
+        hi_s = jnp.broadcast_to(hi, (c, c))  # [t, s] = hi_s
+        lo_s = jnp.broadcast_to(lo, (c, c))
+        hi_t = hi_s.T
+        lo_t = jnp.broadcast_to(lo + log_scale, (c, c)).T
+        # b_t - b_s + log(scale) for t >= s, masked above the diagonal
+        self.exponents = jnp.where(causal, (hi_t - hi_s) + (lo_t - lo_s), MASKED)
+
+    def intra(self) -> jax.Array:
+        """scale * e^{b_t - b_s} for t >= s, else 0: [C, C]."""
+        return jnp.exp(self.exponents)
+
+    def from_start(self) -> jax.Array:
+        """scale * e^{b_t}: [C, 1] (column 0 of the exponents plus b_0)."""
+        return jnp.exp(self.exponents[:, 0:1] + (self.hi[:, 0:1] + self.lo[:, 0:1]))
+
+    def to_end(self) -> jax.Array:
+        """e^{b_L - b_s}: [1, C]."""
+        return jnp.exp((self.hi[:, -1:] - self.hi) + (self.lo[:, -1:] - self.lo))
+
+    def whole(self) -> jax.Array:
+        """e^{b_L}: [1, 1]."""
+        return jnp.exp(self.hi[:, -1:] + self.lo[:, -1:])
+
+
+def _chunk_step(q, k, v, state, decays: ChunkDecays, dtype, masked: bool):
+    """o [C, V] float32 and the next state [K, V] float32 of one head's chunk.
+
+    Unmasked, the intra-chunk product relies on the decays being exactly 0 above the diagonal,
+    which holds unless k or v holds a non-finite value (then the next state is not finite either,
+    and the caller recomputes with `masked`).
+    """
+    scores = dot(q, k, NT, dtype) * decays.intra()
+    kt = (k.T.astype(F32) * decays.to_end()).astype(dtype)  # [K, C]
+    new_state = state * decays.whole() + dot(kt, v, NN, dtype)
+    inter = dot(q, state, NN, dtype) * decays.from_start()
+    if not masked:
+        return dot(scores, v, NN, dtype) + inter, new_state
+    finite = jnp.isfinite(v.astype(F32))
+    intra = dot(jnp.where(decays.causal, scores, 0.0), jnp.where(finite, v, jnp.zeros((), v.dtype)), NN, dtype)
+    steps = jax.lax.broadcasted_iota(jnp.int32, (v.shape[0], 1), 0)
+    bad_steps = jnp.where(jnp.min(finite.astype(jnp.int32), axis=1, keepdims=True) == 0, steps, v.shape[0])
+    # The recurrence's state is not finite from the first non-finite value on.
+    return jnp.where(steps >= jnp.min(bad_steps), jnp.nan, intra + inter), new_state
+
+
+def _forward_kernel(*refs, geo: ForwardGeometry):
+    q_ref, k_ref, v_ref, gate_ref = refs[:4]  # [1, Tb*H, K], [1, Tb*H, K], [1, Tb*H, V], [1, H, Tb]
+    h0_ref = refs[4] if geo.has_h0 else None  # [1, H, K, V]
+    o_ref = refs[4 + geo.has_h0]  # [1, Tb*H, V]
+    ht_ref = refs[5 + geo.has_h0] if geo.has_ht else None  # [1, H, K, V]
+    state_ref, hi_ref, lo_ref = refs[-3:]  # [2, H, K, V] (by step parity), [H, 1, Tb], [H, 1, Tb] float32
+    step = pl.program_id(1)
+    c, h_count = geo.chunk, geo.num_heads
+    parity = step % 2
+    before, after = state_ref.at[parity], state_ref.at[1 - parity]
 
     @pl.when(step == 0)
     def _start():
-        state_ref[...] = h0_ref[...].astype(F32) if has_h0 else jnp.zeros(state_ref.shape, F32)
+        state_ref[0] = h0_ref[0] if geo.has_h0 else jnp.zeros(state_ref.shape[1:], F32)
 
-    n, c = num_steps, chunk
-    masks = ChunkMasks(c)
-    q = q_ref[...].reshape(n, c, q_ref.shape[-1])
-    k = k_ref[...].reshape(n, c, k_ref.shape[-1])
-    v = v_ref[...]
-    gate = BlockGate(gate_ref[...].reshape(n, c), masks)  # per-step log decays, one row per chunk
-    from_start, to_end = gate.from_start, gate.to_end
-    # Every chunk of the iteration at once, batched over the chunk axis: scores, intra-chunk outputs
-    # and each chunk's state contribution.
-    finite = jnp.isfinite(v.astype(F32))
-    v_finite = jnp.where(finite, v, jnp.zeros((), v.dtype)).reshape(n, c, v.shape[-1])
-    intra = dot(gate.scores(q, k, dtype), v_finite, BATCHED_NN, dtype)  # [S, C, Vt]
-    # A non-finite v_s reaches the rows t >= s of its chunk only (as `causal_dot`), later chunks through the state.
-    bad_rows = jnp.max(jnp.where(finite, 0.0, 1.0), axis=1).reshape(n, c)
-    bad = dot(bad_rows, masks.upper, NN, F32)  # > 0 from the first non-finite step of the chunk on
-    contributions = dot(v.reshape(n, c, -1), k.astype(F32) * to_end, BATCHED_TN, dtype)  # [S, Vt, K]
-    # The only sequential part: the state before each chunk, elementwise.
-    state = state_ref[...]
-    states = []
-    for s in range(n):
-        states.append(state)
-        state = state * gate.last[s : s + 1, :] + contributions[s]
-    state_ref[...] = state
-    inter = dot(q.astype(F32) * from_start, jnp.stack(states), BATCHED_NT, dtype)  # [S, C, Vt]
-    o = scale * (inter + intra)
-    o = jnp.where(rows_to_columns(bad, masks.diagonal) > 0.0, jnp.nan, o)
-    o_ref[...] = o.reshape(n * c, -1).astype(o_ref.dtype)
+    hi, lo = chunk_cumsum(gate_ref[0], c)
+    hi_ref[...] = hi[:, None, :]
+    lo_ref[...] = lo[:, None, :]
+    rows = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    causal = rows >= jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    log_scale = math.log(geo.scale)
+    q_rows, k_rows, v_rows, o_rows = (HeadRows(r, h_count, geo.interpret) for r in (q_ref, k_ref, v_ref, o_ref))
+    group = q_rows.group
 
-    if has_ht:
+    def walk(masked: bool):
+        """All chunks and heads of the block; returns the sum of the new states (finite unless a
+        k, v or state is not)."""
+        total = jnp.zeros((), F32)
+        for chunk in range(geo.chunks_per_block):
+            first = chunk * c
+            window = pl.ds(first, c)
+            source = before if chunk == 0 else after
+            for head in range(0, h_count, group):
+                loaded = zip(
+                    q_rows.load(first, c, head), k_rows.load(first, c, head), v_rows.load(first, c, head), strict=True
+                )
+                outs = []
+                for h, (q, k, v) in zip(range(head, head + group), loaded, strict=True):
+                    decays = ChunkDecays(hi_ref[h, :, window], lo_ref[h, :, window], causal, log_scale)
+                    o, new_state = _chunk_step(q, k, v, source[h], decays, geo.mxu_dtype, masked)
+                    after[h] = new_state
+                    total = total + jnp.sum(new_state)
+                    outs.append(o)
+                o_rows.store(first, head, tuple(outs))
+        return total
 
-        @pl.when(step == pl.num_programs(3) - 1)
+    # The products are unmasked first; a non-finite k or v (or state) makes the states' sum
+    # non-finite, and the block is recomputed from its initial states with masks.
+    @pl.when(jnp.logical_not(jnp.isfinite(walk(masked=False))))
+    def _masked():
+        walk(masked=True)
+
+    if geo.has_ht:
+
+        @pl.when(step == pl.num_programs(1) - 1)
         def _final():
-            ht_ref[...] = state
+            ht_ref[0] = after[...]
 
 
-def fused_chunk_fwd(q, k, v, gate, h0, *, specs: FusedSpecs, scale: float, output_final_state: bool, interpret: bool):
+def fused_chunk_fwd(q, k, v, gate, h0, *, geo: ForwardGeometry):
     """Outputs and final states.
 
     Args:
-      q, k: [B, H, Tp, K] (Tp = NT * C, K a multiple of 128); v: [B, H, Tp, V].
-      gate: per-step log decays [B, H, NT, 1, C] float32.
-      h0: [B, H, V, K] float32 initial states (transposed) or None.
-      specs: block shapes of this call (forward in time).
-      scale: multiplies the float32 accumulations of o.
-      output_final_state: also return the final states.
+      q, k: [B, T*H, K] (the merged view of [B, T, H, K]); v: [B, T*H, V].
+      gate: [B, H, T] float32 per-step log decays (floored, see `gla_core.kit.floor_cumsum_gates`).
+      h0: [B, H, K, V] float32 initial states, or None.
+      geo: the static sizes of the call (T a multiple of `geo.block_tokens`).
 
     Returns:
-      (o [B, H, Tp, V] in v's dtype, ht [B, H, V, K] float32 or None). Under `jax.vmap` the
-      mapped axis folds into B (`gla_core.pallas_transforms.fold_vmap`).
+      (o [B, T*H, V] in v's dtype, final states [B, H, K, V] float32 or None).
     """
-    if specs.reverse:
-        raise ValueError("fused_chunk_fwd needs forward-time specs")
-    launch = functools.partial(
-        _launch, specs=specs, scale=scale, output_final_state=output_final_state, interpret=interpret
-    )
-    o, ht = fold_vmap(launch, (q, k, v, gate, h0), in_axes=(0,) * 5, out_axes=0)
-    return o, ht
-
-
-def _launch(q, k, v, gate, h0, *, specs: FusedSpecs, scale: float, output_final_state: bool, interpret: bool):
-    b, hh, tp, kdim = q.shape
+    b, rows, kdim = q.shape
     vdim = v.shape[-1]
-    c = specs.chunk
-    has_h0 = h0 is not None
-    in_specs = [specs.key(), specs.key(), specs.value(), specs.gate()]
-    inputs = [q, k, v, gate]
-    if has_h0:
-        in_specs.append(specs.state())
+    h_count, tb = geo.num_heads, geo.block_tokens
+    seq_len = rows // h_count
+    if seq_len % tb or tb % geo.chunk:
+        raise ValueError(f"block_tokens: {tb} must divide T={seq_len} and be a multiple of the chunk {geo.chunk}")
+    if heads_per_group(q.dtype) == 2 and h_count % 2:
+        raise ValueError(f"num_heads: 16-bit inputs need an even head count, got {h_count}")
+    key_block = pl.BlockSpec((1, tb * h_count, kdim), lambda bi, ti: (bi, ti, 0))
+    value_block = pl.BlockSpec((1, tb * h_count, vdim), lambda bi, ti: (bi, ti, 0))
+    gate_block = pl.BlockSpec((1, h_count, tb), lambda bi, ti: (bi, 0, ti))
+    state_block = pl.BlockSpec((1, h_count, kdim, vdim), lambda bi, ti: (bi, 0, 0, 0))
+    inputs, in_specs = [q, k, v, gate], [key_block, key_block, value_block, gate_block]
+    if geo.has_h0:
         inputs.append(h0)
-    out_shape = [jax.ShapeDtypeStruct((b, hh, tp, vdim), v.dtype)]
-    out_specs = [specs.value()]
-    if output_final_state:
-        out_shape.append(jax.ShapeDtypeStruct((b, hh, vdim, kdim), F32))
-        out_specs.append(specs.state())
-    kernel = functools.partial(
-        _fwd_kernel,
-        num_steps=specs.num_steps,
-        chunk=c,
-        has_h0=has_h0,
-        has_ht=output_final_state,
-        scale=scale,
-        dtype=mxu_dtype(q.dtype),
-    )
-    outs = sequential_call(
-        kernel, "fused_chunk_fwd", inputs, in_specs, out_shape, out_specs, specs=specs, interpret=interpret
-    )
-    return outs[0], (outs[1] if output_final_state else None)
+        in_specs.append(state_block)
+    out_shape = [jax.ShapeDtypeStruct((b, rows, vdim), v.dtype)]
+    out_specs = [value_block]
+    if geo.has_ht:
+        out_shape.append(jax.ShapeDtypeStruct((b, h_count, kdim, vdim), F32))
+        out_specs.append(state_block)
+    tokens = b * rows
+    c = geo.chunk
+    flops = tokens * (2 * c * (kdim + vdim) + 4 * kdim * vdim + 6 * c)
+    transcendentals = tokens * (c + 3)
+    cost = cost_estimate(flops, transcendentals, [*inputs, *out_shape])
+    vmem = 2 * sum(math.prod(s.block_shape) * x.dtype.itemsize for s, x in zip(in_specs, inputs, strict=True))
+    vmem += 2 * tb * h_count * vdim * v.dtype.itemsize + h_count * kdim * vdim * 4 * (4 + geo.has_ht)
+    with jax.named_scope("fused_chunk_fwd"):
+        outs = pl.pallas_call(
+            lambda *refs: _forward_kernel(*refs, geo=geo),
+            out_shape=out_shape,
+            grid=(b, seq_len // tb),
+            in_specs=in_specs,
+            out_specs=out_specs,
+            scratch_shapes=[
+                pltpu.VMEM((2, h_count, kdim, vdim), F32),
+                pltpu.VMEM((h_count, 1, tb), F32),
+                pltpu.VMEM((h_count, 1, tb), F32),
+            ],
+            compiler_params=compiler_params("parallel", "arbitrary", vmem_limit_bytes=vmem + (8 << 20)),
+            interpret=interpret_params(geo.interpret),
+            cost_estimate=cost,
+            name="fused_chunk_fwd",
+        )(*inputs)
+    return outs[0], (outs[1] if geo.has_ht else None)

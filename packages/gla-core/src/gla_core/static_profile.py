@@ -1,0 +1,210 @@
+"""What libtpu's static cost model says about one compiled TPU program, without a TPU.
+
+libtpu writes a static LLO profile, the estimated cycles of every HLO op of a program (Mosaic
+kernels included), when `LIBTPU_INIT_ARGS=--xla_jf_dump_static_llo_profile_to=DIR` is set at
+start-up. The flag is process-wide and a failing compile can abort the process, so every
+program is compiled in its own subprocess (`python -m gla_core.static_profile SPEC`, SPEC a
+JSON object understood by `gla_core.cost.build_program`).
+
+From one compile this gives (`ProgramProfile`):
+  - the estimated cycles of every Pallas kernel and of every other XLA op,
+  - the bytes written by top-level XLA ops other than the Pallas kernels (transposes, copies,
+    pads, reductions: layout work around the kernels), read from the compiled HLO,
+  - XLA's memory analysis: argument, output and temp bytes.
+Cycles become seconds with a clock calibrated in the same libtpu (`calibrate_clock`): the
+estimate of a 4096^3 bfloat16 matmul over its time at the chip's peak bfloat16 rate.
+These are compiler estimates, not measurements.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+# Public spec sheets: peak bfloat16 matmul rate (FLOP/s) and HBM bandwidth (bytes/s) per chip.
+PEAK_BF16_FLOPS = {"v5e": 197e12, "v6e": 918e12}
+HBM_BANDWIDTH = {"v5e": 819e9, "v6e": 1638e9}
+CALIBRATION_SIZE = 4096
+_ESTIMATE = re.compile(r'hlo_op_name:\s*"([^"]+)"\s*estimated_cycles:\s*(\d+)')
+# Instructions that write no HBM bytes of their own.
+_FREE_OPCODES = {"parameter", "tuple", "get-tuple-element", "bitcast", "constant", "after-all", "partition-id"}
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4}
+_BYTES.update({"f64": 8, "s64": 8, "u64": 8})
+_SHAPE = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\(")
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaOp:
+    """A top-level XLA op of the compiled program other than a Pallas kernel."""
+
+    name: str
+    opcode: str
+    bytes_written: int
+    cycles: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramProfile:
+    """The static estimate of one compiled program.
+
+    Attributes:
+      chip: "v5e" or "v6e".
+      kernel_cycles: estimated cycles of every Pallas kernel, by the kernel's name (a name that
+        occurs several times is summed).
+      xla_ops: the other top-level XLA ops with the bytes they write and their cycles.
+      argument_bytes, output_bytes, temp_bytes: XLA's memory analysis of the program.
+    """
+
+    chip: str
+    kernel_cycles: dict[str, int]
+    xla_ops: tuple[XlaOp, ...]
+    argument_bytes: int
+    output_bytes: int
+    temp_bytes: int
+
+    @property
+    def pallas_cycles(self) -> int:
+        return sum(self.kernel_cycles.values())
+
+    @property
+    def xla_bytes(self) -> int:
+        """Bytes written by the top-level XLA ops around the kernels."""
+        return sum(op.bytes_written for op in self.xla_ops)
+
+    @property
+    def floor_bytes(self) -> int:
+        """Argument + output bytes: what any implementation must move through HBM."""
+        return self.argument_bytes + self.output_bytes
+
+    def floor_seconds(self) -> float:
+        return self.floor_bytes / HBM_BANDWIDTH[self.chip]
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> ProgramProfile:
+        return cls(**{**data, "xla_ops": tuple(XlaOp(**op) for op in data["xla_ops"])})
+
+
+def _shape_bytes(text: str) -> int:
+    total = 0
+    for dtype, dims in _SHAPE.findall(text):
+        count = 1
+        for dim in filter(None, dims.split(",")):
+            count *= int(dim)
+        total += count * _BYTES.get(dtype, 4)
+    return total
+
+
+def entry_instructions(hlo_text: str) -> list[tuple[str, str, str, str]]:
+    """(name, opcode, result type text, whole line) of every instruction of the entry computation."""
+    lines = hlo_text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("ENTRY"))
+    found = []
+    for line in lines[start + 1 :]:
+        if line.startswith("}"):
+            break
+        match = _INSTRUCTION.match(line)
+        if match:
+            found.append((match.group(1), match.group(3), match.group(2), line))
+    return found
+
+
+def _is_pallas(line: str) -> bool:
+    return 'custom_call_target="tpu_custom_call"' in line
+
+
+def profile_from(hlo_text: str, cycles_by_op: dict[str, int], memory: dict, chip: str) -> ProgramProfile:
+    """Joins the compiled HLO with the static profile's cycles per op name."""
+    kernels: dict[str, int] = {}
+    xla_ops = []
+    for name, opcode, result_type, line in entry_instructions(hlo_text):
+        cycles = cycles_by_op.get(name, 0)
+        if _is_pallas(line):
+            kernel = re.sub(r"\.\d+$", "", name)
+            kernels[kernel] = kernels.get(kernel, 0) + cycles
+        elif opcode not in _FREE_OPCODES:
+            xla_ops.append(XlaOp(name, opcode, _shape_bytes(result_type), cycles))
+    return ProgramProfile(chip, kernels, tuple(xla_ops), **memory)
+
+
+def parse_profiles(directory: pathlib.Path) -> dict[str, int]:
+    """Estimated cycles per HLO op name, from the profiles libtpu wrote into `directory`."""
+    cycles: dict[str, int] = {}
+    for path in sorted(directory.glob("*static_llo_profile*")):
+        for name, value in _ESTIMATE.findall(path.read_text()):
+            cycles[name] = cycles.get(name, 0) + int(value)
+    return cycles
+
+
+def profile_program(spec: dict, timeout: float = 1800) -> ProgramProfile:
+    """Compiles the program `spec` describes in a subprocess with the static profile on."""
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = pathlib.Path(tmp)
+        logs = directory / "tpu-logs"  # a crashing profiled compile logs gigabytes; they go with the directory
+        logs.mkdir()
+        env = dict(
+            os.environ,
+            ALLOW_MULTIPLE_LIBTPU_LOAD="1",
+            TPU_SKIP_MDS_QUERY="1",
+            TPU_LOG_DIR=str(logs),
+            LIBTPU_INIT_ARGS=f"--xla_jf_dump_static_llo_profile_to={directory}",
+        )
+        result = directory / "result.json"
+        command = [sys.executable, "-m", "gla_core.static_profile", json.dumps(spec), str(result)]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+        if done.returncode != 0 or not result.exists():
+            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            raise RuntimeError(f"profiled compile failed ({done.returncode}): {' | '.join(tail)}")
+        compiled = json.loads(result.read_text())
+        return profile_from(compiled["hlo"], parse_profiles(directory), compiled["memory"], spec["chip"])
+
+
+def calibration_spec(chip: str) -> dict:
+    return {"program": "matmul", "size": CALIBRATION_SIZE, "chip": chip}
+
+
+def calibrate_clock(chip: str) -> float:
+    """Cycles per second of the static model: a 4096^3 bfloat16 matmul's estimate over its time at
+    the chip's peak bfloat16 rate."""
+    profile = profile_program(calibration_spec(chip))
+    cycles = sum(op.cycles for op in profile.xla_ops)
+    seconds = 2 * CALIBRATION_SIZE**3 / PEAK_BF16_FLOPS[chip]
+    return cycles / seconds
+
+
+def _compile_worker(spec: dict, result_path: str) -> None:
+    import jax
+
+    from gla_core.cost import build_program
+    from gla_core.tpu_checks import compile_only_device
+
+    fn, structs = build_program(spec)
+    sharding = jax.sharding.SingleDeviceSharding(compile_only_device(spec["chip"]))
+    placed = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in structs]
+    from gla_core.overrides import use
+
+    with use(backend="tpu", interpret=False):
+        compiled = jax.jit(fn).lower(*placed).compile()
+    memory = compiled.memory_analysis()
+    out = {
+        "hlo": compiled.as_text(),
+        "memory": {
+            "argument_bytes": int(memory.argument_size_in_bytes),
+            "output_bytes": int(memory.output_size_in_bytes),
+            "temp_bytes": int(memory.temp_size_in_bytes),
+        },
+    }
+    pathlib.Path(result_path).write_text(json.dumps(out))
+
+
+if __name__ == "__main__":
+    _compile_worker(json.loads(sys.argv[1]), sys.argv[2])
