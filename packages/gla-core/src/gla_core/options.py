@@ -2,9 +2,9 @@
 that an implementation declares, validates and reports, and callers may set per call.
 
 An implementation lists its `Option`s; a call gives values with
-`dispatch(..., impl_options={"fused_chunk": {"num_steps": 2}})` (a mapping from implementation
+`dispatch(..., impl_options={"fused_chunk": {"block_tokens": 256}})` (a mapping from implementation
 name to its options, so one call can carry options for every implementation it may end up on) or
-`gla_core.use(simple_gla=("fused_chunk", {"num_steps": 2}))`. Only the chosen implementation's
+`gla_core.use(simple_gla=("fused_chunk", {"block_tokens": 256}))`. Only the chosen implementation's
 options are checked and passed on, as `arguments.options` (an `ImplOptions`, hashable: it is
 static under `jax.jit`); `explain` shows them.
 """
@@ -83,7 +83,7 @@ def check_impl_options(value: Any) -> dict[str, dict[str, Any]]:
     ):
         raise InvalidArgumentError(
             "impl_options: expected a mapping from implementation name to its options, e.g. "
-            f'{{"fused_chunk": {{"num_steps": 2}}}}, got {value!r}'
+            f'{{"fused_chunk": {{"block_tokens": 256}}}}, got {value!r}'
         )
     return {name: dict(options) for name, options in value.items()}
 

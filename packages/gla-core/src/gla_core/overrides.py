@@ -81,7 +81,7 @@ def use(*, backend: str | None = None, interpret: bool | None = None, **implemen
         `jax.export(..., platforms=["tpu"])` or compiled for compile-only TPU devices.
       interpret: run Pallas TPU kernels in TPU interpret mode (off-TPU testing).
       **implementations: op name to implementation name, e.g. `simple_gla="chunk"`, or to
-        (name, options), e.g. `simple_gla=("fused_chunk", {"num_steps": 2})`.
+        (name, options), e.g. `simple_gla=("fused_chunk", {"block_tokens": 256})`.
 
     Example:
       >>> with gla_core.use(simple_gla="xla"):

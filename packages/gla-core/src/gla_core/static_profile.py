@@ -8,9 +8,13 @@ JSON object understood by `gla_core.cost.build_program`).
 
 From one compile this gives (`ProgramProfile`):
   - the estimated cycles of every Pallas kernel and of every other XLA op,
-  - the bytes written by top-level XLA ops other than the Pallas kernels (transposes, copies,
-    pads, reductions: layout work around the kernels), read from the compiled HLO,
+  - the bytes written to HBM by top-level XLA ops other than the Pallas kernels (transposes,
+    copies, pads, reductions: layout work around the kernels), read from the compiled HLO
+    (asynchronous copies into on-chip memory spaces, XLA's prefetching, are not layout work),
   - XLA's memory analysis: argument, output and temp bytes.
+The profile of a large program can take more memory than this machine has (it grows with the
+grid); `profile_by_kernel` then profiles every Pallas call in a program of its own (the same
+call, the same operand shapes) and the whole program without the profile.
 Cycles become seconds with a clock calibrated in the same libtpu (`calibrate_clock`): the
 estimate of a 4096^3 bfloat16 matmul over its time at the chip's peak bfloat16 rate.
 These are compiler estimates, not measurements.
@@ -94,6 +98,36 @@ class ProgramProfile:
         return cls(**{**data, "xla_ops": tuple(XlaOp(**op) for op in data["xla_ops"])})
 
 
+def _tuple_elements(result_type: str) -> list[str]:
+    """The top-level elements of a tuple type "(a, b, ...)" (the type itself if it is no tuple)."""
+    text = result_type.strip()
+    if not text.startswith("("):
+        return [text]
+    elements, depth, start = [], 0, 1
+    for i, char in enumerate(text):
+        depth += 1 if char in "({[" else -1 if char in ")}]" else 0
+        if (char == "," and depth == 1) or (char == ")" and depth == 0):
+            elements.append(text[start:i].strip())
+            start = i + 1
+    return elements
+
+
+def _written(opcode: str, result_type: str) -> str:
+    """The part of an instruction's result that it writes: an asynchronous `*-start` op returns
+    (operands, output, context), of which only the output is written."""
+    if opcode.endswith("-start"):
+        elements = _tuple_elements(result_type)
+        return elements[1] if len(elements) > 1 else result_type
+    return result_type
+
+
+def _is_on_chip(result_type: str) -> bool:
+    """Whether every array of an HLO result type lives in a non-default memory space (S(n), n > 0)."""
+    layouts = re.findall(r"\{[^{}]*\}", result_type)
+    arrays = [layout for layout in layouts if ":" in layout or "S(" in layout]
+    return bool(arrays) and all(re.search(r"S\([1-9]\d*\)", layout) for layout in arrays)
+
+
 def _shape_bytes(text: str) -> int:
     total = 0
     for dtype, dims in _SHAPE.findall(text):
@@ -131,8 +165,8 @@ def profile_from(hlo_text: str, cycles_by_op: dict[str, int], memory: dict, chip
         if _is_pallas(line):
             kernel = re.sub(r"\.\d+$", "", name)
             kernels[kernel] = kernels.get(kernel, 0) + cycles
-        elif opcode not in _FREE_OPCODES:
-            xla_ops.append(XlaOp(name, opcode, _shape_bytes(result_type), cycles))
+        elif opcode not in _FREE_OPCODES and not _is_on_chip(_written(opcode, result_type)):
+            xla_ops.append(XlaOp(name, opcode, _shape_bytes(_written(opcode, result_type)), cycles))
     return ProgramProfile(chip, kernels, tuple(xla_ops), **memory)
 
 
@@ -151,13 +185,9 @@ def profile_program(spec: dict, timeout: float = 1800) -> ProgramProfile:
         directory = pathlib.Path(tmp)
         logs = directory / "tpu-logs"  # a crashing profiled compile logs gigabytes; they go with the directory
         logs.mkdir()
-        env = dict(
-            os.environ,
-            ALLOW_MULTIPLE_LIBTPU_LOAD="1",
-            TPU_SKIP_MDS_QUERY="1",
-            TPU_LOG_DIR=str(logs),
-            LIBTPU_INIT_ARGS=f"--xla_jf_dump_static_llo_profile_to={directory}",
-        )
+        env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1", TPU_SKIP_MDS_QUERY="1", TPU_LOG_DIR=str(logs))
+        if spec.get("profile", True):
+            env["LIBTPU_INIT_ARGS"] = f"--xla_jf_dump_static_llo_profile_to={directory}"
         result = directory / "result.json"
         command = [sys.executable, "-m", "gla_core.static_profile", json.dumps(spec), str(result)]
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, check=False)
@@ -166,6 +196,65 @@ def profile_program(spec: dict, timeout: float = 1800) -> ProgramProfile:
             raise RuntimeError(f"profiled compile failed ({done.returncode}): {' | '.join(tail)}")
         compiled = json.loads(result.read_text())
         return profile_from(compiled["hlo"], parse_profiles(directory), compiled["memory"], spec["chip"])
+
+
+def profile_by_kernel(spec: dict, timeout: float = 1800) -> ProgramProfile:
+    """`profile_program(spec)` with every Pallas call profiled in a program of its own.
+
+    The whole program is compiled once without the profile (memory analysis, XLA-side ops; their
+    cycles are then not known and reported as 0), then each of its Pallas calls alone.
+    """
+    whole = profile_program({**spec, "profile": False}, timeout)
+    kernels: dict[str, int] = {}
+    for index in range(spec_kernel_count(spec)):
+        alone = profile_program({**spec, "kernel": index}, timeout)
+        for name, cycles in alone.kernel_cycles.items():
+            kernels[name] = kernels.get(name, 0) + cycles
+    return dataclasses.replace(whole, kernel_cycles=kernels)
+
+
+def pallas_equations(jaxpr) -> list:
+    """Every `pallas_call` equation of a jaxpr and of the jaxprs nested in it, in program order."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            found.append(eqn)
+            continue
+        for param in eqn.params.values():
+            for value in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(value, "jaxpr", value)
+                if hasattr(inner, "eqns"):
+                    found.extend(pallas_equations(inner))
+    return found
+
+
+def _traced_kernels(spec: dict) -> list:
+    import jax
+
+    from gla_core.cost import build_program
+    from gla_core.overrides import use
+
+    fn, structs = build_program(spec)
+    with use(backend="tpu", interpret=False):
+        return pallas_equations(jax.make_jaxpr(fn)(*structs).jaxpr)
+
+
+def spec_kernel_count(spec: dict) -> int:
+    """How many Pallas calls the program of `spec` makes (traced, not compiled)."""
+    return len(_traced_kernels(spec))
+
+
+def _kernel_program(spec: dict):
+    """The `spec["kernel"]`-th Pallas call of the program of `spec` as a program of its own."""
+    import jax
+    from jax._src import core
+
+    eqn = _traced_kernels(spec)[spec["kernel"]]
+    if not all(isinstance(v, core.Var) for v in eqn.invars):
+        raise ValueError(f"kernel {spec['kernel']}: a Pallas call with literal operands cannot be compiled alone")
+    closed = core.ClosedJaxpr(core.Jaxpr([], list(eqn.invars), list(eqn.outvars), [eqn]), [])
+    structs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+    return core.jaxpr_as_fun(closed), structs
 
 
 def calibration_spec(chip: str) -> dict:
@@ -187,7 +276,7 @@ def _compile_worker(spec: dict, result_path: str) -> None:
     from gla_core.cost import build_program
     from gla_core.tpu_checks import compile_only_device
 
-    fn, structs = build_program(spec)
+    fn, structs = _kernel_program(spec) if "kernel" in spec else build_program(spec)
     sharding = jax.sharding.SingleDeviceSharding(compile_only_device(spec["chip"]))
     placed = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in structs]
     from gla_core.overrides import use

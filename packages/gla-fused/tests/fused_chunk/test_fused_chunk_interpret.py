@@ -4,8 +4,8 @@ Outputs, final states and every gradient (dq, dk, dv, dg, dg_gamma, dinitial_sta
 the default tolerance of the input dtype (`gla_ref.testing.TOLERANCES`: float32 1e-5 for
 outputs, 1e-4 for gradients). Each case combines several situations: every gate kind (g,
 g_gamma, g + g_gamma, none), h0/ht, a decay of -10 per step at chunk 128, T not a multiple
-of the chunk, K/V not multiples of 128 with V in two tiles, NT = 1, 2, a number of chunks
-num_steps does not divide, bf16. num_steps 8, 4, 2 and 1 differ only in summation order.
+of the chunk, K/V not multiples of 128, one and several chunks per grid step and grid steps
+per sequence, bf16 (head pairs). The tokens per grid step change nothing but the grid.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def _with_inputs(case, **inputs):
 
 def dispatched(interpret: bool, **options):
     """`fn(**case.kwargs())` through dispatch, forcing `fused_chunk` with per-call `options`
-    (num_steps, block_v, block_k)."""
+    (kernel_chunk, block_tokens)."""
 
     def fn(**kwargs):
         impl_options = {"fused_chunk": options}
@@ -43,7 +43,7 @@ def dispatched(interpret: bool, **options):
 
 DISPATCH_CASES = {
     # |g| * C = 1280: only overflow-safe, cancellation-free exponents keep the small gate
-    # gradient (a non-finite value is an infinite error). NT = 2: num_steps 8 -> 2.
+    # gradient (a non-finite value is an infinite error). Two grid steps of one chunk of 128.
     "g_gamma=-10 chunk 128 NT=2 h0 ht": lambda: _with_inputs(
         make_case(
             "simple_gla",
@@ -85,16 +85,17 @@ DISPATCH_CASES = {
 
 @pytest.mark.parametrize("name", list(DISPATCH_CASES))
 def test_fused_chunk_matches_oracle(name, interpret):
+    """The kernels' chunk is the case's chunk size, 64 tokens per grid step at most."""
     case = DISPATCH_CASES[name]()
-    errors = check_against_oracle(dispatched(interpret), case)
+    options = dict(kernel_chunk=case.options["chunk_size"], block_tokens=64)
+    errors = check_against_oracle(dispatched(interpret, **options), case)
     assert set(errors) >= {"o", "dq", "dk", "dv"}
 
 
-def test_partial_num_steps_and_two_value_tiles_match_oracle(interpret, no_races):
-    """T = 90 at chunk 16 is NT = 6 chunks (the last one partial): num_steps 4 runs 3 chunks per
-    grid iteration. K = 160 and V = 150 pad to 256; 128-wide tiles split V (fused kernels)
-    and K (dq/dk/dgate kernel) in two. The parallel tiles, heads and batch rows run on two simulated
-    cores with race detection."""
+def test_padded_time_several_chunks_per_step_and_wide_tiles_match_oracle(interpret, no_races):
+    """T = 90 at kernel chunk 16 pads to 96 = 6 chunks; at most 64 tokens per grid step gives 3
+    chunks (48 tokens) per step, 2 steps. K = 160 and V = 150 are not multiples of 128 lanes. The
+    batch rows run on two simulated cores with race detection."""
     case = make_case(
         "simple_gla",
         batch=2,
@@ -108,8 +109,11 @@ def test_partial_num_steps_and_two_value_tiles_match_oracle(interpret, no_races)
         seed=2,
     )
     q, v = case.inputs["q"], case.inputs["v"]
-    assert FusedConfig.create(q, v, chunk_size=16, num_steps=4).num_steps == 3
-    errors = check_against_oracle(dispatched(interpret, num_steps=4, block_v=128, block_k=128), case)
+    config = FusedConfig.create(
+        q, v, scale=None, output_final_state=True, interpret=True, kernel_chunk=16, block_tokens=64
+    )
+    assert (config.block_tokens, config.padded_len) == (48, 96)
+    errors = check_against_oracle(dispatched(interpret, kernel_chunk=16, block_tokens=64), case)
     assert set(errors) == {"o", "final_state", "dq", "dk", "dv", "dg", "dinitial_state"}
 
 
@@ -134,10 +138,10 @@ def _outputs_and_grads(fn, case) -> dict[str, np.ndarray]:
     return {name: np.asarray(x) for name, x in result.items()}
 
 
-def test_num_steps_change_only_the_summation_order(interpret):
-    """g + g_gamma, T = 128 at chunk 16 (NT = 8): 8, 4, 2 and 1 chunks per grid iteration match the
-    oracle and each other within the float32 rearrangement bound (the chunks of an iteration are
-    batched into one matmul, whose summation order may depend on the batch size)."""
+def test_tokens_per_grid_step_change_nothing(interpret):
+    """g + g_gamma, T = 128 at kernel chunk 16 (8 chunks): 8, 4, 2 and 1 chunks per grid step match
+    the oracle and each other within the float32 rearrangement bound (each chunk is computed the
+    same way whatever the grid; the bound leaves room for a compiler's reassociation)."""
     case = make_case(
         "simple_gla",
         seq_len=128,
@@ -149,7 +153,10 @@ def test_num_steps_change_only_the_summation_order(interpret):
         output_final_state=True,
         seed=3,
     )
-    results = {steps: _outputs_and_grads(dispatched(interpret, num_steps=steps), case) for steps in (8, 4, 2, 1)}
+    results = {
+        steps: _outputs_and_grads(dispatched(interpret, kernel_chunk=16, block_tokens=16 * steps), case)
+        for steps in (8, 4, 2, 1)
+    }
     reference = oracle(case)
     expected = {**reference.outputs, **reference.grads}
     assert set(results[8]) == set(expected)
@@ -157,4 +164,4 @@ def test_num_steps_change_only_the_summation_order(interpret):
     for name, ref in expected.items():
         assert_close(name, results[8][name], ref, tol.output if name in reference.outputs else tol.grad)
         for steps in (4, 2, 1):
-            assert_close(f"{name}, num_steps={steps}", results[steps][name], results[8][name], rearranged.output)
+            assert_close(f"{name}, {steps} chunks per step", results[steps][name], results[8][name], rearranged.output)

@@ -1,13 +1,13 @@
 """The `fused_chunk` implementation at production shapes for TPU: `jax.export` lowering and
 libtpu compile-only compiles (v5e, v6e) of the forward and the training step.
 
-Shapes: B=2, T=4096, H=16, K=V=128 bf16, chunk 64 (NT = 64, 4 chunks per grid iteration);
+Shapes: B=2, T=4096, H=16, K=V=128 bf16 (the kernels' chunk 128, 128 tokens per grid step);
 gates g and g_gamma; with h0 and final state. The training step is
 `grad(sum(o * do) + sum(final_state))` over q, k, v, the gate and h0, and also returns o:
-fused_chunk_fwd, then chunk_fwd_h (recomputed states), fused_chunk_bwd_dhdv and
-chunk_bwd_dqkg. Compile tests print each kernel's scoped VMEM (`pytest -s`) and check it
-fits the chip's default scoped VMEM limit. Under `jax.vmap` the kernels fold the mapped axis
-into B: a vmapped training step exports with the same Mosaic calls.
+fused_chunk_fwd (writing the state before every chunk) and fused_chunk_bwd. Compile tests print
+each kernel's scoped VMEM (`pytest -s`) and check it fits the VMEM limit the kernel asks for. Under
+`jax.vmap` the kernels fold the mapped axis into B: a vmapped training step exports with the same
+Mosaic calls.
 """
 
 from __future__ import annotations
@@ -17,12 +17,14 @@ import jax.numpy as jnp
 import pytest
 
 import gla_core
-from gla_core.kit import DEFAULT_SCOPED_VMEM_BYTES, compile_for_tpu, export_for_tpu
+from gla_core.kit import compile_for_tpu, export_for_tpu
 
 BATCH, SEQ_LEN, HEADS, DIM = 2, 4096, 16, 128
-# Mosaic's default scoped VMEM limit per kernel (without --xla_tpu_scoped_vmem_limit_kib).
+# The kernels ask for their VMEM (`vmem_limit_bytes`: all heads of 128 tokens are 17-19 MiB, above
+# v5e's default scoped limit of 16 MiB); they must stay within v6e's default of 32 MiB on both chips.
+VMEM_BUDGET = 32 * 2**20
 FORWARD_KERNELS = ("fused_chunk_fwd",)
-TRAINING_KERNELS = ("fused_chunk_fwd", "chunk_fwd_h", "fused_chunk_bwd_dhdv", "chunk_bwd_dqkg")
+TRAINING_KERNELS = ("fused_chunk_fwd", "fused_chunk_bwd")
 GATES = ("g", "g_gamma")
 
 
@@ -83,7 +85,7 @@ def test_fused_chunk_vmap_exports_for_tpu():
 
 
 @pytest.mark.tpu_compile
-@pytest.mark.parametrize("chip", sorted(DEFAULT_SCOPED_VMEM_BYTES))
+@pytest.mark.parametrize("chip", ["v5e", "v6e"])
 @pytest.mark.parametrize("gate", GATES)
 def test_fused_chunk_compiles_for_tpu(gate, chip):
     forward, train, forward_structs, train_structs = _problem(gate)
@@ -94,5 +96,5 @@ def test_fused_chunk_compiles_for_tpu(gate, chip):
     assert tuple(kernel.name for kernel in forward_report.kernels) == FORWARD_KERNELS
     assert sorted(kernel.name for kernel in report.kernels) == sorted(TRAINING_KERNELS)
     for kernel in (*forward_report.kernels, *report.kernels):
-        assert 0 < kernel.scoped_vmem_bytes <= DEFAULT_SCOPED_VMEM_BYTES[chip], kernel
+        assert 0 < kernel.scoped_vmem_bytes <= VMEM_BUDGET, kernel
         assert kernel.flops and kernel.bytes_accessed, kernel

@@ -1,4 +1,4 @@
-"""The `fused_chunk` implementation without running kernels: the chunks-per-iteration rule,
+"""The `fused_chunk` implementation without running kernels: the tokens-per-grid-step rule,
 its registration and how dispatch sees it (accepts, declines with reasons)."""
 
 from __future__ import annotations
@@ -11,21 +11,21 @@ import gla_core
 from gla_core.errors import InvalidArgumentError
 from gla_core.kit import op_spec
 from gla_fused.fused_chunk import impl
-from gla_fused.fused_chunk.steps import effective_num_steps
+from gla_fused.fused_chunk.steps import largest_divisor_at_most
 
 
 @pytest.mark.parametrize(
-    ("num_chunks", "num_steps", "expected"),
+    ("count", "bound", "expected"),
     [(8, 4, 4), (6, 4, 3), (2, 4, 2), (1, 4, 1), (7, 4, 1), (12, 8, 6), (9, 4, 3), (64, 4, 4), (5, 1, 1)],
 )
-def test_effective_num_steps_is_the_largest_divisor_not_above(num_chunks, num_steps, expected):
-    assert effective_num_steps(num_chunks, num_steps) == expected
+def test_largest_divisor_at_most(count, bound, expected):
+    assert largest_divisor_at_most(count, bound) == expected
 
 
-@pytest.mark.parametrize(("num_chunks", "num_steps"), [(0, 4), (4, 0), (4, -1)])
-def test_effective_num_steps_rejects_non_positive_counts(num_chunks, num_steps):
-    with pytest.raises(ValueError, match="num_"):
-        effective_num_steps(num_chunks, num_steps)
+@pytest.mark.parametrize(("count", "bound", "message"), [(0, 4, "count"), (4, 0, "bound"), (4, -1, "bound")])
+def test_largest_divisor_rejects_non_positive_counts(count, bound, message):
+    with pytest.raises(ValueError, match=message):
+        largest_divisor_at_most(count, bound)
 
 
 def _structs(batch=1, dtype=jnp.float32):
@@ -124,37 +124,33 @@ def test_block_tokens_option_sets_the_forward_grid(block_tokens, time_steps):
     assert grid == (1, time_steps)
 
 
-@pytest.mark.parametrize(("num_steps", "time_steps"), [(1, 8), (2, 4), (4, 2), (8, 1)])
-def test_num_steps_option_sets_the_backward_pass_grid(num_steps, time_steps):
-    """T = 128 at chunk 16 is 8 chunks: `num_steps` reaches the grid of the backward's sequential pass."""
-    q = jnp.zeros((1, 128, 1, 32))
-    g = jnp.zeros((1, 128, 1))
+def test_training_grids_walk_all_heads_of_a_block_per_step():
+    """The forward and the backward kernel each run one grid step per (batch row, block of tokens)."""
+    q = jnp.zeros((2, 256, 4, 32))
+    g = jnp.zeros((2, 256, 4))
 
     def loss(q, k, v, g):
-        options = {"fused_chunk": {"num_steps": num_steps}}
-        o, _ = gla_core.dispatch(
-            "simple_gla", q, k, v, g=g, chunk_size=16, impl="fused_chunk", interpret=True, impl_options=options
-        )
+        o, _ = gla_core.dispatch("simple_gla", q, k, v, g=g, impl="fused_chunk", interpret=True)
         return o.sum()
 
     grids = _pallas_grids(jax.make_jaxpr(jax.grad(loss))(q, q, q, g).jaxpr)
-    assert (1, 1, 1, time_steps) in grids
+    assert grids == [(2, 2), (2, 2)]
 
 
 def test_explain_shows_fused_chunk_options():
     (q, k, v), g = _structs()
     with gla_core.use(backend="tpu"):
-        resolution = gla_core.explain("simple_gla", q, k, v, g=g, impl_options={"fused_chunk": {"num_steps": 2}})
+        resolution = gla_core.explain("simple_gla", q, k, v, g=g, impl_options={"fused_chunk": {"block_tokens": 256}})
     assert resolution.winner.name == "fused_chunk"
-    assert resolution.options.describe() == (
-        "block_k=256 (default), block_tokens=128 (default), block_v=256 (default), kernel_chunk=128 (default), "
-        "num_steps=2"
-    )
+    assert resolution.options.describe() == "block_tokens=256, kernel_chunk=128 (default)"
 
 
 @pytest.mark.parametrize(
     ("options", "message"),
-    [({"block_v": 96}, "block_v: expected a positive multiple of 128, got 96"), ({"num_steps": 0}, "num_steps")],
+    [
+        ({"kernel_chunk": 96}, r"kernel_chunk: expected one of \(16, 32, 64, 128\), got 96"),
+        ({"block_tokens": 0}, "block_tokens: expected a positive int, got 0"),
+    ],
 )
 def test_bad_fused_chunk_options_are_rejected(options, message):
     (q, k, v), g = _structs()

@@ -1,10 +1,10 @@
 """The `fused_chunk` implementation of simple_gla (Pallas TPU).
 
-The forward is one kernel that carries the state in VMEM and writes the outputs directly,
-`num_steps` chunks per grid iteration; the backward is split into a sequential pass (value
-and state gradients) and the parallel dq/dk/gate kernel of `gla_core.chunk`. Modules:
-`steps` (chunks per grid iteration), `specs` (BlockSpecs), `forward`, `backward` (pass 1),
-`pipeline` (the differentiable op), `impl` (the registered implementation).
+The forward is one kernel that carries the states in VMEM and writes the outputs directly, the
+backward one kernel that walks time backwards carrying the state gradients; both read and write
+the op's own layouts, all heads of a block of tokens per grid step. Modules: `steps` (tokens per
+grid step), `forward`, `backward`, `pipeline` (the differentiable op), `impl` (the registered
+implementation).
 """
 
 from gla_fused.fused_chunk.impl import implementations

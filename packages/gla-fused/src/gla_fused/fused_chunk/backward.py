@@ -1,136 +1,230 @@
-"""`fused_chunk_bwd_dhdv`: pass 1 of the split backward, sequential backwards in time.
+"""`fused_chunk_bwd`: the whole backward in one kernel, walking time backwards on the op's layouts.
 
-With `G` the gradient of the state a chunk produces (stored transposed, `[V, K]`), per chunk
-from the last to the first:
+Per head and chunk, from the last chunk to the first (b_t the chunk's cumulative log decay
+through t, L its last step, S the state before the chunk, stored by the forward, G the
+gradient of the state after it, carried in VMEM from `dht` or zero):
 
-    dh_c   = G                                                    (materialized, float32)
-    dv_s   = (k_s * e^{b_L - b_s}) G  +  scale * sum_{t>=s} (q_t . k_s) e^{b_t - b_s} do_t
-    G     <- e^{b_L} G + scale * sum_t (q_t * e^{b_t}) do_t^T
+    D_ts = scale * e^{b_t - b_s} (t >= s, else 0)      P = (do v^T) * D     A = (q k^T) * D
+    dq   = P k + e^{b_t} scale * do S^T
+    dk   = P^T q + e^{b_L - b_s} v G^T
+    dv   = A^T do + e^{b_L - b_s} k G
+    G   <- e^{b_L} G + scale * (e^{b_t} q)^T do
 
-`G` starts from the final-state cotangent `dht` (or zero) and stays in VMEM; after the first
-chunk it is the initial-state gradient `dh0`. The grid is (B, H, NV, NT / num_steps) with the
-time axis walked backwards through the index maps. Every grid iteration computes what does not
-depend on the carried gradient for all its `num_steps` chunks at once, with matmuls batched over
-the chunk axis; only the recurrence of G walks the chunks (elementwise, last chunk first).
+After the first chunk G is the initial-state gradient. The gate gradient (d loss / d a_u of the
+per-step log decay) is summed in XLA from two per-token terms the kernel emits as `[2, Tb]` rows
+per head, each term already restricted to the steps u its decay spans, so nothing that cancels
+exactly is computed (see `_chunk_gradients` and `gate_gradient`).
 
-The per-chunk gradients `dh` [B, H, NT, V, K] are float32, like the recomputed states `h`:
-pass 2 (`gla_core.chunk.bwd_dqkg.chunk_bwd_dqkg`, parallel over time) takes float32 states and
-gradients, uses full-precision matmuls on them for float32 inputs, and forms the gate
-gradient from the elementwise float32 product `e^{b_L} * sum_v S * G`, summed over the
-whole sequence for g_gamma. Rounding G to bfloat16 would put a relative 2^-9 error on every
-term, far above the 1e-4 float32 gradient tolerance; the price is the same HBM traffic as
-the plain chunk path's `dh`.
+Grid, blocks and exponents as in `forward` (all heads of Tb tokens per grid step, the op's
+`[B, T*H, D]` views, compensated cumsums, exponents <= 0 wherever they are used).
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
-from gla_core.kit import BATCHED_NT, BATCHED_TN, ChunkMasks, dot, fold_vmap, mxu_dtype
-from gla_fused.fused_chunk.block_gate import BlockGate
-from gla_fused.fused_chunk.launch import sequential_call
-from gla_fused.fused_chunk.specs import FusedSpecs
+from gla_core.kit import (
+    CUMSUM_GATE_FLOOR,
+    NN,
+    NT,
+    TN,
+    HeadRows,
+    chunk_cumsum,
+    compiler_params,
+    cost_estimate,
+    dot,
+    interpret_params,
+)
+from gla_fused.fused_chunk.forward import ChunkDecays, ForwardGeometry, block_bytes
 
 F32 = jnp.float32
 
 
-def _bwd_dhdv_kernel(*refs, num_steps, chunk, has_dht, has_dh0, scale, dtype):
-    q_ref, k_ref, do_ref, gate_ref = refs[:4]  # [S*C, K], [S*C, K], [S*C, Vt], [S, 1, C]
-    dht_ref = refs[4] if has_dht else None  # [Vt, K]
-    outs = refs[4 + has_dht :]
-    dv_ref, dh_ref = outs[0], outs[1]  # [S*C, Vt]; [S, Vt, K] gradients of the states after each chunk
-    dh0_ref = outs[2] if has_dh0 else None  # [Vt, K]
-    grad_ref = outs[-1]  # VMEM scratch [Vt, K] float32
-    step = pl.program_id(3)
+@dataclasses.dataclass(frozen=True)
+class BackwardGeometry:
+    """Static sizes of one backward call: the forward's, plus whether `dht` is given and `dh0` wanted."""
+
+    forward: ForwardGeometry
+    has_dht: bool
+    has_dh0: bool
+
+
+def _chunk_gradients(q, k, v, do, state, grad, decays: ChunkDecays, dtype):
+    """One head's chunk: (dq, dk, dv [C, D] float32, the gate term rows `after` and `before` [1, C],
+    the gradient of the state before the chunk [K, V])."""
+    d = decays.intra()  # scale * e^{b_t - b_s}, zero above the diagonal
+    scores = dot(q, k, NT, dtype)  # [t, s]
+    p = dot(do, v, NT, dtype) * d
+    from_start = decays.from_start()  # scale * e^{b_t}: [C, 1]
+    to_end = decays.to_end().reshape(-1, 1)  # e^{b_L - b_s}: [C, 1]
+    dq_inter = dot(do, state, NT, dtype) * from_start
+    dq = dot(p, k, NN, dtype) + dq_inter
+    dk_state = dot(v, grad, NT, dtype) * to_end
+    dk = dot(p, q, TN, dtype) + dk_state
+    dv = dot(scores * d, do, TN, dtype) + dot(k, grad, NN, dtype) * to_end
+    increment = dot(q.astype(F32) * from_start, do, TN, dtype)  # scale * sum_t e^{b_t} q_t^T do_t: [K, V]
+    previous = grad * decays.whole() + increment
+    # d loss / d a_u sums, over every term, the steps u the term's decay spans: a pair (t, s) of the
+    # intra products spans s < u <= t (the diagonal none, so it is left out rather than cancelled);
+    # the inter term of q_t, u <= t; the state term of k_s, u > s; the decayed state, every u.
+    strict = jnp.where(decays.causal & ~decays.diagonal, p * scores, 0.0)  # [t, s]
+    qf, kf = q.astype(F32), k.astype(F32)
+    after = jnp.sum(qf * dq_inter, axis=1) + jnp.sum(strict, axis=1) - jnp.sum(strict, axis=0)
+    after = after.reshape(1, -1) + jnp.where(decays.last_step, decays.whole() * jnp.sum(state * grad), 0.0)
+    before = jnp.sum(kf * dk_state, axis=1).reshape(1, -1)
+    return dq, dk, dv, after, before, previous
+
+
+def _backward_kernel(*refs, geo: BackwardGeometry):
+    fwd = geo.forward
+    q_ref, k_ref, v_ref, do_ref, gate_ref, states_ref = refs[:6]  # token-major blocks, [1, H, Tb], [1, NC, H, K, V]
+    dht_ref = refs[6] if geo.has_dht else None  # [1, H, K, V]
+    outs = refs[6 + geo.has_dht :]
+    dq_ref, dk_ref, dv_ref, terms_ref = outs[:4]  # token-major blocks, [1, H, 2, Tb] float32
+    dh0_ref = outs[4] if geo.has_dh0 else None  # [1, H, K, V]
+    grad_ref, hi_ref, lo_ref = refs[-3:]  # [H, K, V], [H, 1, Tb], [H, 1, Tb] float32
+    step = pl.program_id(1)
+    c, h_count = fwd.chunk, fwd.num_heads
 
     @pl.when(step == 0)
     def _start():
-        grad_ref[...] = dht_ref[...].astype(F32) if has_dht else jnp.zeros(grad_ref.shape, F32)
+        grad_ref[...] = dht_ref[0] if geo.has_dht else jnp.zeros(grad_ref.shape, F32)
 
-    n, c = num_steps, chunk
-    masks = ChunkMasks(c)
-    gate = BlockGate(gate_ref[...].reshape(n, c), masks)
-    from_start, to_end = gate.from_start, gate.to_end
-    q = q_ref[...].reshape(n, c, q_ref.shape[-1])
-    k = k_ref[...].reshape(n, c, k_ref.shape[-1])
-    do = do_ref[...].reshape(n, c, do_ref.shape[-1])
-    # Every chunk at once, batched over the chunk axis: the intra-chunk part of dv and each chunk's
-    # contribution to the state gradient.
-    intra = dot(gate.scores(q, k, dtype), do, BATCHED_TN, dtype)  # [S, C, Vt]: sum_{t>=s} scores_ts do_t
-    contributions = scale * dot(do, q.astype(F32) * from_start, BATCHED_TN, dtype)  # [S, Vt, K]
-    # The only sequential part, last chunk first: the gradient of the state after each chunk.
-    grad = grad_ref[...]
-    grads = [None] * n
-    for s in reversed(range(n)):
-        grads[s] = grad
-        grad = grad * gate.last[s : s + 1, :] + contributions[s]
-    after = jnp.stack(grads)  # [S, Vt, K]
-    dh_ref[...] = after
-    from_state = dot(k.astype(F32) * to_end, after, BATCHED_NT, dtype)  # [S, C, Vt]
-    dv_ref[...] = (from_state + scale * intra).reshape(n * c, -1).astype(dv_ref.dtype)
-    grad_ref[...] = grad
+    hi, lo = chunk_cumsum(gate_ref[0], c)
+    hi_ref[...] = hi[:, None, :]
+    lo_ref[...] = lo[:, None, :]
+    rows = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    causal = rows >= jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    log_scale = math.log(fwd.scale)
+    readers = [HeadRows(r, h_count, fwd.interpret) for r in (q_ref, k_ref, v_ref, do_ref)]
+    writers = [HeadRows(r, h_count, fwd.interpret) for r in (dq_ref, dk_ref, dv_ref)]
+    group = readers[0].group
+    for chunk in reversed(range(fwd.chunks_per_block)):
+        first = chunk * c
+        window = pl.ds(first, c)
+        for head in range(0, h_count, group):
+            loaded = zip(*(r.load(first, c, head) for r in readers), strict=True)
+            results = []
+            for h, (q, k, v, do) in zip(range(head, head + group), loaded, strict=True):
+                decays = ChunkDecays(hi_ref[h, :, window], lo_ref[h, :, window], causal, log_scale)
+                state = states_ref[0, chunk, h]
+                dq, dk, dv, after, before, previous = _chunk_gradients(
+                    q, k, v, do, state, grad_ref[h], decays, fwd.mxu_dtype
+                )
+                grad_ref[h] = previous
+                terms_ref[0, h, 0:1, window] = after
+                terms_ref[0, h, 1:2, window] = before
+                results.append((dq, dk, dv))
+            for writer, values in zip(writers, zip(*results, strict=True), strict=True):
+                writer.store(first, head, values)
 
-    if has_dh0:
+    if geo.has_dh0:
 
-        @pl.when(step == pl.num_programs(3) - 1)
-        def _initial():
-            dh0_ref[...] = grad
+        @pl.when(step == pl.num_programs(1) - 1)
+        def _final():
+            dh0_ref[0] = grad_ref[...]
 
 
-def fused_chunk_bwd_dhdv(q, k, do, gate, dht, *, specs: FusedSpecs, scale: float, need_dh0: bool, interpret: bool):
-    """Value gradients, per-chunk state gradients and initial-state gradients.
+def fused_chunk_bwd(q, k, v, do, gate, states, dht, *, geo: BackwardGeometry):
+    """Gradients of q, k, v and the initial state, and the per-token gate terms.
 
     Args:
-      q, k: [B, H, Tp, K]; do: [B, H, Tp, V] (the cotangent of o, compute dtype).
-      gate: per-step log decays [B, H, NT, 1, C] float32.
-      dht: [B, H, V, K] float32 cotangent of the final states, or None (zero).
-      specs: block shapes of this call walking time backwards (`FusedSpecs.reversed()`).
-      need_dh0: also return the initial-state gradients.
+      q, k: [B, T*H, K]; v, do: [B, T*H, V] (merged views; do in the compute dtype).
+      gate: [B, H, T] float32 floored log decays (as the forward's).
+      states: [B, NT, H, K, V] float32, the state before every chunk (the forward's `states`).
+      dht: [B, H, K, V] float32 final-state cotangent, or None.
+      geo: the static sizes.
 
     Returns:
-      (dv [B, H, Tp, V] in q's dtype, dh [B, H, NT, V, K] float32 gradients of the state
-      after every chunk, dh0 [B, H, V, K] float32 or None). Under `jax.vmap` the mapped axis
-      folds into B (`gla_core.pallas_transforms.fold_vmap`).
+      (dq [B, T*H, K], dk [B, T*H, K], dv [B, T*H, V] in the compute dtype's float32 accumulation
+      cast to q's/v's dtype, terms [B, H, 2, T] float32 (see the module doc), dh0 [B, H, K, V]
+      float32 or None).
     """
-    if not specs.reverse:
-        raise ValueError("fused_chunk_bwd_dhdv needs reverse-time specs")
-    launch = functools.partial(_launch, specs=specs, scale=scale, need_dh0=need_dh0, interpret=interpret)
-    dv, dh, dh0 = fold_vmap(launch, (q, k, do, gate, dht), in_axes=(0,) * 5, out_axes=0)
-    return dv, dh, dh0
+    fwd = geo.forward
+    b, rows, kdim = q.shape
+    vdim = v.shape[-1]
+    h_count, tb, c = fwd.num_heads, fwd.block_tokens, fwd.chunk
+    seq_len = rows // h_count
+    blocks = seq_len // tb
+    nc = fwd.chunks_per_block
 
+    def reverse(bi, ti):
+        return bi, blocks - 1 - ti
 
-def _launch(q, k, do, gate, dht, *, specs: FusedSpecs, scale: float, need_dh0: bool, interpret: bool):
-    b, hh, tp, kdim = q.shape
-    vdim = do.shape[-1]
-    c, nt = specs.chunk, specs.num_chunks
-    has_dht = dht is not None
-    in_specs = [specs.key(), specs.key(), specs.value(), specs.gate()]
-    inputs = [q, k, do, gate]
-    if has_dht:
-        in_specs.append(specs.state())
+    def token_block(dim):
+        return pl.BlockSpec((1, tb * h_count, dim), lambda bi, ti: (*reverse(bi, ti), 0))
+
+    gate_block = pl.BlockSpec((1, h_count, tb), lambda bi, ti: (bi, 0, reverse(bi, ti)[1]))
+    states_block = pl.BlockSpec((1, nc, h_count, kdim, vdim), lambda bi, ti: (*reverse(bi, ti), 0, 0, 0))
+    state_block = pl.BlockSpec((1, h_count, kdim, vdim), lambda bi, ti: (bi, 0, 0, 0))
+    terms_block = pl.BlockSpec((1, h_count, 2, tb), lambda bi, ti: (bi, 0, 0, reverse(bi, ti)[1]))
+    inputs = [q, k, v, do, gate, states]
+    in_specs = [token_block(kdim), token_block(kdim), token_block(vdim), token_block(vdim), gate_block, states_block]
+    if geo.has_dht:
         inputs.append(dht)
+        in_specs.append(state_block)
     out_shape = [
-        jax.ShapeDtypeStruct((b, hh, tp, vdim), q.dtype),
-        jax.ShapeDtypeStruct((b, hh, nt, vdim, kdim), F32),
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct(k.shape, k.dtype),
+        jax.ShapeDtypeStruct(v.shape, v.dtype),
+        jax.ShapeDtypeStruct((b, h_count, 2, seq_len), F32),
     ]
-    out_specs = [specs.value(), specs.chunk_states()]
-    if need_dh0:
-        out_shape.append(jax.ShapeDtypeStruct((b, hh, vdim, kdim), F32))
-        out_specs.append(specs.state())
-    kernel = functools.partial(
-        _bwd_dhdv_kernel,
-        num_steps=specs.num_steps,
-        chunk=c,
-        has_dht=has_dht,
-        has_dh0=need_dh0,
-        scale=scale,
-        dtype=mxu_dtype(q.dtype),
-    )
-    outs = sequential_call(
-        kernel, "fused_chunk_bwd_dhdv", inputs, in_specs, out_shape, out_specs, specs=specs, interpret=interpret
-    )
-    return outs[0], outs[1], (outs[2] if need_dh0 else None)
+    out_specs = [token_block(kdim), token_block(kdim), token_block(vdim), terms_block]
+    if geo.has_dh0:
+        out_shape.append(jax.ShapeDtypeStruct((b, h_count, kdim, vdim), F32))
+        out_specs.append(state_block)
+    tokens = b * rows
+    flops = tokens * (4 * c * (kdim + vdim) + 10 * kdim * vdim)
+    cost = cost_estimate(flops, tokens * (c + 3), [*inputs, *out_shape])
+    # Double-buffered blocks plus the state-gradient scratch.
+    vmem = 2 * (block_bytes(in_specs, inputs) + block_bytes(out_specs, out_shape)) + h_count * kdim * vdim * 4
+    with jax.named_scope("fused_chunk_bwd"):
+        outs = pl.pallas_call(
+            lambda *refs: _backward_kernel(*refs, geo=geo),
+            out_shape=out_shape,
+            grid=(b, blocks),
+            in_specs=in_specs,
+            out_specs=out_specs,
+            scratch_shapes=[
+                pltpu.VMEM((h_count, kdim, vdim), F32),
+                pltpu.VMEM((h_count, 1, tb), F32),
+                pltpu.VMEM((h_count, 1, tb), F32),
+            ],
+            compiler_params=compiler_params("parallel", "arbitrary", vmem_limit_bytes=vmem + (8 << 20)),
+            interpret=interpret_params(fwd.interpret),
+            cost_estimate=cost,
+            name="fused_chunk_bwd",
+        )(*inputs)
+    dq, dk, dv, terms = outs[:4]
+    return dq, dk, dv, terms, (outs[4] if geo.has_dh0 else None)
+
+
+def gate_gradient(terms, gate, chunk: int):
+    """d loss / d a_u of the per-step log decays from the backward kernel's terms.
+
+        d a_u = sum_{t >= u in u's chunk} after_t + sum_{s < u in u's chunk} before_s
+
+    (see `_chunk_gradients`). Gates at or below the kernel floor (hard resets) get exactly 0.
+
+    Args:
+      terms: [B, H, 2, T] float32 from `fused_chunk_bwd` (after, before).
+      gate: [B, H, T] float32, the floored log decays the kernels saw.
+      chunk: the kernels' chunk C (T a multiple of it).
+
+    Returns:
+      [B, H, T] float32.
+    """
+    b, h, _, t = terms.shape
+    after, before = (terms[:, :, i].reshape(b, h, t // chunk, chunk) for i in (0, 1))
+    from_here = jnp.flip(jnp.cumsum(jnp.flip(after, -1), axis=-1), -1)
+    # Exclusive prefix sums by shifting, not by subtracting: the state term of the chunk's last step
+    # is the largest (its decay is 1) and reaches no step of the chunk.
+    before_here = jnp.cumsum(jnp.pad(before[..., :-1], [(0, 0)] * 3 + [(1, 0)]), axis=-1)
+    da = (from_here + before_here).reshape(b, h, t)
+    return jnp.where(gate <= CUMSUM_GATE_FLOOR, 0.0, da)

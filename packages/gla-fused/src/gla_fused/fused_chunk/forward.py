@@ -59,6 +59,7 @@ class ForwardGeometry:
       block_tokens: Tb, tokens per grid step (a multiple of C that divides T).
       scale: the query scale.
       has_h0, has_ht: an initial state is given; the final state is returned.
+      has_states: the state before every chunk is returned (for the backward).
       mxu_dtype: the dtype of the matmul operands (bfloat16 or float32).
       interpret: TPU interpret mode.
     """
@@ -69,6 +70,7 @@ class ForwardGeometry:
     scale: float
     has_h0: bool
     has_ht: bool
+    has_states: bool
     mxu_dtype: jnp.dtype
     interpret: bool
 
@@ -86,6 +88,9 @@ class ChunkDecays:
     def __init__(self, hi: jax.Array, lo: jax.Array, causal: jax.Array, log_scale: float):
         c = hi.shape[1]
         self.hi, self.lo, self.causal = hi, lo, causal
+        rows = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
+        self.diagonal = rows == jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+        self.last_step = jax.lax.broadcasted_iota(jnp.int32, (1, c), 1) == c - 1
         hi_s = jnp.broadcast_to(hi, (c, c))  # [t, s] = hi_s
         lo_s = jnp.broadcast_to(lo, (c, c))
         hi_t = hi_s.T
@@ -108,6 +113,11 @@ class ChunkDecays:
     def whole(self) -> jax.Array:
         """e^{b_L}: [1, 1]."""
         return jnp.exp(self.hi[:, -1:] + self.lo[:, -1:])
+
+
+def block_bytes(specs, arrays) -> int:
+    """Bytes of one block of every array (BlockSpecs and arrays or shape structs, in order)."""
+    return sum(math.prod(spec.block_shape) * jnp.dtype(x.dtype).itemsize for spec, x in zip(specs, arrays, strict=True))
 
 
 def _chunk_step(q, k, v, state, decays: ChunkDecays, dtype, masked: bool):
@@ -136,6 +146,7 @@ def _forward_kernel(*refs, geo: ForwardGeometry):
     h0_ref = refs[4] if geo.has_h0 else None  # [1, H, K, V]
     o_ref = refs[4 + geo.has_h0]  # [1, Tb*H, V]
     ht_ref = refs[5 + geo.has_h0] if geo.has_ht else None  # [1, H, K, V]
+    states_out = refs[5 + geo.has_h0 + geo.has_ht] if geo.has_states else None  # [1, NC, H, K, V]
     state_ref, hi_ref, lo_ref = refs[-3:]  # [2, H, K, V] (by step parity), [H, 1, Tb], [H, 1, Tb] float32
     step = pl.program_id(1)
     c, h_count = geo.chunk, geo.num_heads
@@ -170,7 +181,10 @@ def _forward_kernel(*refs, geo: ForwardGeometry):
                 outs = []
                 for h, (q, k, v) in zip(range(head, head + group), loaded, strict=True):
                     decays = ChunkDecays(hi_ref[h, :, window], lo_ref[h, :, window], causal, log_scale)
-                    o, new_state = _chunk_step(q, k, v, source[h], decays, geo.mxu_dtype, masked)
+                    state = source[h]
+                    if geo.has_states and not masked:
+                        states_out[0, chunk, h] = state
+                    o, new_state = _chunk_step(q, k, v, state, decays, geo.mxu_dtype, masked)
                     after[h] = new_state
                     total = total + jnp.sum(new_state)
                     outs.append(o)
@@ -200,7 +214,8 @@ def fused_chunk_fwd(q, k, v, gate, h0, *, geo: ForwardGeometry):
       geo: the static sizes of the call (T a multiple of `geo.block_tokens`).
 
     Returns:
-      (o [B, T*H, V] in v's dtype, final states [B, H, K, V] float32 or None).
+      (o [B, T*H, V] in v's dtype, final states [B, H, K, V] float32 or None, the state before
+      every chunk [B, NT, H, K, V] float32 or None unless `geo.has_states`).
     """
     b, rows, kdim = q.shape
     vdim = v.shape[-1]
@@ -223,13 +238,17 @@ def fused_chunk_fwd(q, k, v, gate, h0, *, geo: ForwardGeometry):
     if geo.has_ht:
         out_shape.append(jax.ShapeDtypeStruct((b, h_count, kdim, vdim), F32))
         out_specs.append(state_block)
+    if geo.has_states:
+        nc = geo.chunks_per_block
+        out_shape.append(jax.ShapeDtypeStruct((b, seq_len // geo.chunk, h_count, kdim, vdim), F32))
+        out_specs.append(pl.BlockSpec((1, nc, h_count, kdim, vdim), lambda bi, ti: (bi, ti, 0, 0, 0)))
     tokens = b * rows
     c = geo.chunk
     flops = tokens * (2 * c * (kdim + vdim) + 4 * kdim * vdim + 6 * c)
     transcendentals = tokens * (c + 3)
     cost = cost_estimate(flops, transcendentals, [*inputs, *out_shape])
-    vmem = 2 * sum(math.prod(s.block_shape) * x.dtype.itemsize for s, x in zip(in_specs, inputs, strict=True))
-    vmem += 2 * tb * h_count * vdim * v.dtype.itemsize + h_count * kdim * vdim * 4 * (4 + geo.has_ht)
+    # Double-buffered blocks plus the two-slot state scratch.
+    vmem = 2 * (block_bytes(in_specs, inputs) + block_bytes(out_specs, out_shape)) + 2 * h_count * kdim * vdim * 4
     with jax.named_scope("fused_chunk_fwd"):
         outs = pl.pallas_call(
             lambda *refs: _forward_kernel(*refs, geo=geo),
@@ -247,4 +266,4 @@ def fused_chunk_fwd(q, k, v, gate, h0, *, geo: ForwardGeometry):
             cost_estimate=cost,
             name="fused_chunk_fwd",
         )(*inputs)
-    return outs[0], (outs[1] if geo.has_ht else None)
+    return outs[0], (outs[1] if geo.has_ht else None), (outs[-1] if geo.has_states else None)

@@ -4,32 +4,17 @@ from __future__ import annotations
 
 import gla_core
 from gla_core.errors import InvalidArgumentError
-from gla_core.kit import (
-    BLOCK_K_OPTION,
-    BLOCK_V_OPTION,
-    CHUNK_SIZES,
-    Option,
-    block_sizes_of,
-    positive_int,
-    unsupported_dtype_reason,
-)
+from gla_core.kit import CHUNK_SIZES, Option, positive_int, unsupported_dtype_reason
 from gla_fused.fused_chunk.pipeline import IMPLEMENTATION, fused_chunk_attention
-from gla_fused.fused_chunk.steps import DEFAULT_BLOCK_TOKENS, DEFAULT_KERNEL_CHUNK, DEFAULT_NUM_STEPS
+from gla_fused.fused_chunk.steps import DEFAULT_BLOCK_TOKENS, DEFAULT_KERNEL_CHUNK
 from gla_fused.registration import fused_implementation
 
 NAME = IMPLEMENTATION
 PRIORITY = 110
 BACKENDS = frozenset({"tpu"})
 OPTIONS = (
-    Option(
-        "kernel_chunk", DEFAULT_KERNEL_CHUNK, positive_int("kernel_chunk", CHUNK_SIZES), "the forward kernel's chunk"
-    ),
-    Option(
-        "block_tokens", DEFAULT_BLOCK_TOKENS, positive_int("block_tokens"), "the most tokens a forward grid step takes"
-    ),
-    Option("num_steps", DEFAULT_NUM_STEPS, positive_int("num_steps"), "the most chunks a backward grid step handles"),
-    BLOCK_V_OPTION,
-    BLOCK_K_OPTION,
+    Option("kernel_chunk", DEFAULT_KERNEL_CHUNK, positive_int("kernel_chunk", CHUNK_SIZES), "the kernels' chunk"),
+    Option("block_tokens", DEFAULT_BLOCK_TOKENS, positive_int("block_tokens"), "the most tokens per grid step"),
 )
 
 VARLEN_REASON = (
@@ -40,8 +25,8 @@ VARLEN_REASON = (
 
 def run(args):
     """simple_gla on the fused kernels, on the call's validated arguments record (options: the
-    forward kernel's chunk and tokens per grid step, the backward's chunks per grid step, the
-    backward kernels' tiles)."""
+    kernels' chunk and tokens per grid step; the op's `chunk_size` does not apply, see
+    `pipeline.fused_chunk_attention`)."""
     if args.cu_seqlens is not None:
         raise InvalidArgumentError(f"cu_seqlens: the {NAME} implementation does not take {VARLEN_REASON}")
     return fused_chunk_attention(
@@ -53,12 +38,9 @@ def run(args):
         scale=args.scale,
         initial_state=args.initial_state,
         output_final_state=args.output_final_state,
-        chunk_size=args.chunk_size,
-        num_steps=args.options["num_steps"],
         kernel_chunk=args.options["kernel_chunk"],
         block_tokens=args.options["block_tokens"],
         interpret=args.interpret,
-        block_sizes=block_sizes_of(args.options),
     )
 
 
@@ -71,7 +53,7 @@ def supports(call: gla_core.Call) -> str | None:
 
 def implementations() -> list[gla_core.Implementation]:
     description = (
-        "Pallas TPU fused forward on the op's own layout (all heads per grid step, state in VMEM), "
-        "split backward; fixed length"
+        "Pallas TPU fused forward and backward on the op's own layout (all heads of a block of tokens "
+        "per grid step, state in VMEM); fixed length"
     )
     return [fused_implementation(NAME, run, PRIORITY, description, supports=supports, options=OPTIONS)]

@@ -1,18 +1,16 @@
-"""simple_gla on the fused kernels, with its split backward (one `jax.custom_vjp`).
+"""simple_gla on the fused kernels, forward and backward (one `jax.custom_vjp`).
 
 Forward:  the op's arrays as free `[B, T*H, D]` views -> fused_chunk_fwd (all heads of a block of
-          tokens per grid step, states in VMEM, o and the final state written in the op's layouts).
-Backward: prepare do -> chunk_fwd_h (recomputes the state before every chunk) ->
-          fused_chunk_bwd_dhdv (pass 1, sequential backwards: dv, dh, dh0) ->
-          chunk_bwd_dqkg (pass 2, parallel over time: dq, dk, d/da) -> the op's layout.
+          tokens per grid step, states in VMEM, o and the final state written in the op's layouts;
+          when differentiated it also writes the state before every chunk).
+Backward: fused_chunk_bwd (one kernel walking time backwards: dq, dk, dv, the initial-state
+          gradient and per-token gate terms) -> the gate gradient in XLA (`backward.gate_gradient`).
 
-Pass 2 is parallel over time, so every chunk needs the state before it as a tensor. The
-fused forward keeps the states in VMEM only (not writing them to HBM is its point), so the
-backward recomputes them with `chunk_fwd_h`: that is the only way to have them in a pass
-that is parallel over time. Fixed-length inputs only (see `impl.supports`); re-layouts come from
-`gla_core.chunk.prepare` and are differentiated by hand, as in `gla_core.chunk.pipeline`, with
-the same transformation guards (first-order autodiff only, vmap folded into B, no kernel for
-calls without tokens).
+Nothing is transposed or copied in HBM except the small gate rows (a free view for XLA's usual
+layout of a [B, T, H] gate) and, when T or H must be padded (T not a multiple of the kernels'
+block, an odd H with 16-bit inputs, an H that does not fill sublane tiles), the padded copies.
+Fixed-length inputs only (see `impl.supports`). The transformation guards are those of the chunk
+path: first-order autodiff only, `jax.vmap` folded into B, no kernel for calls without tokens.
 """
 
 from __future__ import annotations
@@ -24,39 +22,24 @@ import jax
 import jax.numpy as jnp
 
 from gla_core.kit import (
-    DEFAULT_BLOCK_SIZES,
-    BlockSizes,
-    ChunkConfig,
-    KernelInputs,
-    chunk_bwd_dqkg,
-    chunk_fwd_h,
     define_chunk_vjp,
     empty_attention,
     floor_cumsum_gates,
     fold_vmap,
     has_no_tokens,
     heads_per_group,
-    kernel_inputs,
     merge_heads,
-    op_gradients,
     pad_axis,
-    prepare,
     round_up,
     split_heads,
 )
-from gla_fused.fused_chunk.backward import fused_chunk_bwd_dhdv
+from gla_fused.fused_chunk.backward import BackwardGeometry, fused_chunk_bwd, gate_gradient
 from gla_fused.fused_chunk.forward import ForwardGeometry, fused_chunk_fwd
-from gla_fused.fused_chunk.specs import FusedSpecs
-from gla_fused.fused_chunk.steps import (
-    DEFAULT_BLOCK_TOKENS,
-    DEFAULT_KERNEL_CHUNK,
-    DEFAULT_NUM_STEPS,
-    block_tokens_for,
-    effective_num_steps,
-)
+from gla_fused.fused_chunk.steps import DEFAULT_BLOCK_TOKENS, DEFAULT_KERNEL_CHUNK, block_tokens_for
 
 IMPLEMENTATION = "fused_chunk"
 OP = "simple_gla"
+COMPUTE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,16 +47,26 @@ class FusedConfig:
     """Static facts of one call (the non-differentiable argument of the custom VJP).
 
     Attributes:
-      chunk: the chunk path's config (geometry, scale, dtypes, block sizes, interpret).
-      num_steps: chunks per grid iteration of the backward's fused kernel, a divisor of NT.
-      kernel_chunk: the forward kernel's chunk (its own, see `steps.DEFAULT_KERNEL_CHUNK`).
-      block_tokens: tokens per grid step of the forward kernel, a multiple of `kernel_chunk`.
+      batch, seq_len, num_heads, key_dim, value_dim: the op's sizes.
+      scale: the query scale.
+      output_final_state: return the final states.
+      interpret: TPU interpret mode.
+      kernel_chunk: C, the kernels' chunk.
+      block_tokens: tokens per grid step, a multiple of C.
+      dtypes: dtype name of every given array by its op keyword (gradients come back in them).
     """
 
-    chunk: ChunkConfig
-    num_steps: int
-    kernel_chunk: int = DEFAULT_KERNEL_CHUNK
-    block_tokens: int = DEFAULT_BLOCK_TOKENS
+    batch: int
+    seq_len: int
+    num_heads: int
+    key_dim: int
+    value_dim: int
+    scale: float
+    output_final_state: bool
+    interpret: bool
+    kernel_chunk: int
+    block_tokens: int
+    dtypes: tuple[tuple[str, str], ...]
 
     @classmethod
     def create(
@@ -81,125 +74,149 @@ class FusedConfig:
         q,
         v,
         *,
-        num_steps: int = DEFAULT_NUM_STEPS,
+        scale: float | None,
+        output_final_state: bool,
+        interpret: bool,
         kernel_chunk: int = DEFAULT_KERNEL_CHUNK,
         block_tokens: int = DEFAULT_BLOCK_TOKENS,
-        **chunk_options,
+        **arrays,
     ) -> FusedConfig:
-        """The config of a call; `chunk_options` as `ChunkConfig.create`. `num_steps` and
-        `block_tokens` are upper bounds (see `steps`)."""
-        chunk = ChunkConfig.create(q, v, **chunk_options)
-        seq_len = chunk.geometry.seq_len
+        """The config of a call with q [B, T, H, K], v [B, T, H, V] and the other arrays by keyword
+        (k, g, g_gamma, initial_state; None when absent). `block_tokens` is an upper bound."""
+        batch, seq_len, num_heads, key_dim = q.shape
+        arrays = dict(q=q, v=v, **arrays)
         return cls(
-            chunk,
-            effective_num_steps(chunk.geometry.num_chunks, num_steps),
-            kernel_chunk,
-            block_tokens_for(seq_len, kernel_chunk, block_tokens),
+            batch=batch,
+            seq_len=seq_len,
+            num_heads=num_heads,
+            key_dim=key_dim,
+            value_dim=v.shape[-1],
+            scale=float(key_dim**-0.5 if scale is None else scale),
+            output_final_state=bool(output_final_state),
+            interpret=bool(interpret),
+            kernel_chunk=kernel_chunk,
+            block_tokens=block_tokens_for(seq_len, kernel_chunk, block_tokens),
+            dtypes=tuple(sorted((name, jnp.dtype(x.dtype).name) for name, x in arrays.items() if x is not None)),
         )
+
+    def dtype_of(self, name: str) -> jnp.dtype:
+        return jnp.dtype(dict(self.dtypes)[name])
+
+    def has(self, name: str) -> bool:
+        return name in dict(self.dtypes)
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        """bfloat16 and float32 inputs compute as they are, other float dtypes in float32."""
+        dtype = self.dtype_of("q")
+        return dtype if dtype in COMPUTE_DTYPES else jnp.dtype(jnp.float32)
 
     @property
     def padded_len(self) -> int:
-        """T rounded up to the forward kernel's block."""
-        return round_up(self.chunk.geometry.seq_len, self.block_tokens)
+        return round_up(self.seq_len, self.block_tokens)
 
-    def specs(self) -> FusedSpecs:
-        """Forward-time specs of the fused kernels (V tiled like the chunk path, all of K)."""
-        geo = self.chunk.geometry
-        return FusedSpecs(
-            chunk=geo.chunk,
-            num_steps=self.num_steps,
-            num_chunks=geo.num_chunks,
-            key_dim=geo.padded_key_dim,
-            value_dim=geo.padded_value_dim,
-            block_v=self.chunk.block_sizes.value_tile(geo.padded_value_dim),
+    @property
+    def padded_heads(self) -> int:
+        """H rounded up to the kernels' head group (pairs for 16-bit inputs)."""
+        return round_up(self.num_heads, heads_per_group(self.compute_dtype))
+
+    def forward_geometry(self, *, has_h0: bool, has_states: bool) -> ForwardGeometry:
+        return ForwardGeometry(
+            num_heads=self.padded_heads,
+            chunk=self.kernel_chunk,
+            block_tokens=self.block_tokens,
+            scale=self.scale,
+            has_h0=has_h0,
+            has_ht=self.output_final_state,
+            has_states=has_states,
+            mxu_dtype=self.compute_dtype,
+            interpret=self.interpret,
         )
 
+    def token_major(self, x):
+        """[B, T, H, D] to the kernels' [B, Tp*Hp, D] (a free view unless T or H is padded)."""
+        x = pad_axis(pad_axis(x.astype(self.compute_dtype), 1, self.padded_len), 2, self.padded_heads)
+        return merge_heads(x)
 
-def _token_major(x, config: FusedConfig, heads: int, dtype):
-    """[B, T, H, D] to the forward kernel's [B, Tp*Hp, D] (a free view unless T or H is padded)."""
-    return merge_heads(pad_axis(pad_axis(x.astype(dtype), 1, config.padded_len), 2, heads))
+    def from_token_major(self, y, dtype):
+        """The kernels' [B, Tp*Hp, D] back to [B, T, H, D] in `dtype`."""
+        return split_heads(y, self.padded_heads)[:, : self.seq_len, : self.num_heads].astype(dtype)
+
+    def state_in(self, state):
+        """[B, H, K, V] to the kernels' float32 [B, Hp, K, V]."""
+        return pad_axis(state.astype(jnp.float32), 1, self.padded_heads)
 
 
-def _gate_rows(config: FusedConfig, g, g_gamma, heads: int):
-    """The per-step log decay g + g_gamma as float32 rows [B, Hp, Tp], floored for the kernel's
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FusedResiduals:
+    """What the backward needs: the kernels' inputs and the state before every chunk.
+
+    q, k: [B, Tp*Hp, K]; v: [B, Tp*Hp, V] (compute dtype, views of the op's arrays); gate:
+    [B, Hp, Tp] float32; states: [B, NT, Hp, K, V] float32; h0: [B, Hp, K, V] float32 or None.
+    """
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    gate: jax.Array
+    states: jax.Array
+    h0: jax.Array | None
+    # Set by `define_chunk_vjp` when d g_gamma is asked for bfloat16 inputs (not used by these kernels).
+    float32_gate_grad: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+
+def _gate_rows(config: FusedConfig, g, g_gamma):
+    """The per-step log decay g + g_gamma as float32 rows [B, Hp, Tp], floored for the kernels'
     compensated cumsums (a free view of a [B, T, H] gate in XLA's usual layout for it)."""
-    geo = config.chunk.geometry
-    gate = jnp.zeros((geo.batch, geo.num_heads, geo.seq_len), jnp.float32)
+    gate = jnp.zeros((config.batch, config.num_heads, config.seq_len), jnp.float32)
     if g is not None:
         gate = gate + jnp.swapaxes(g.astype(jnp.float32), 1, 2)
     if g_gamma is not None:
         gate = gate + g_gamma.astype(jnp.float32)[:, None]
-    return pad_axis(pad_axis(floor_cumsum_gates(gate), 2, config.padded_len), 1, heads)
+    return pad_axis(pad_axis(floor_cumsum_gates(gate), 2, config.padded_len), 1, config.padded_heads)
 
 
-def _fused_forward(config: FusedConfig, q, k, v, g, g_gamma, initial_state):
-    """(o [B, T, H, V] in v's dtype, final state [B, H, K, V] float32 or None) from the forward kernel."""
-    cfg = config.chunk
-    geo = cfg.geometry
-    dtype = cfg.compute_dtype
-    heads = round_up(geo.num_heads, heads_per_group(dtype))
-    h0 = None if initial_state is None else pad_axis(initial_state.astype(jnp.float32), 1, heads)
-    kernel_geometry = ForwardGeometry(
-        num_heads=heads,
-        chunk=config.kernel_chunk,
-        block_tokens=config.block_tokens,
-        scale=cfg.scale,
-        has_h0=h0 is not None,
-        has_ht=cfg.output_final_state,
-        mxu_dtype=jnp.dtype(dtype),
-        interpret=cfg.interpret,
-    )
-    arrays = (*(_token_major(x, config, heads, dtype) for x in (q, k, v)), _gate_rows(config, g, g_gamma, heads), h0)
-    launch = functools.partial(fused_chunk_fwd, geo=kernel_geometry)
-    o, ht = fold_vmap(launch, arrays, in_axes=(0,) * 5, out_axes=0)
-    o = split_heads(o, heads)[:, : geo.seq_len, : geo.num_heads].astype(v.dtype)
-    return o, (ht[:, : geo.num_heads] if ht is not None else None)
+def _forward(config: FusedConfig, q, k, v, g, g_gamma, initial_state, *, keep_states: bool = True):
+    h0 = None if initial_state is None else config.state_in(initial_state)
+    residuals = FusedResiduals(*(config.token_major(x) for x in (q, k, v)), _gate_rows(config, g, g_gamma), None, h0)
+    geo = config.forward_geometry(has_h0=h0 is not None, has_states=keep_states)
+    launch = functools.partial(fused_chunk_fwd, geo=geo)
+    arrays = (residuals.q, residuals.k, residuals.v, residuals.gate, h0)
+    o, ht, states = fold_vmap(launch, arrays, in_axes=(0,) * 5, out_axes=0)
+    o = config.from_token_major(o, v.dtype)
+    ht = ht[:, : config.num_heads] if ht is not None else None
+    return (o, ht), dataclasses.replace(residuals, states=states)
 
 
-def _forward(config: FusedConfig, q, k, v, g, g_gamma, initial_state):
-    outputs = _fused_forward(config, q, k, v, g, g_gamma, initial_state)
-    # The backward's kernels take the transposed chunk layout; in a forward-only program XLA drops it.
-    return outputs, kernel_inputs(config.chunk, q, k, v, g, g_gamma, None, initial_state, None)
-
-
-def _backward(config: FusedConfig, x: KernelInputs, cotangents):
-    cfg = config.chunk
-    geo, interpret, scale = cfg.geometry, cfg.interpret, cfg.scale
+def _backward(config: FusedConfig, x: FusedResiduals, cotangents):
     do, dht = cotangents
-    h, _ = chunk_fwd_h(x.k, x.v, x.gate, x.h0, x.meta, specs=cfg.specs(), output_final_state=False, interpret=interpret)
-    dok = prepare.to_kernel(do, geo, None, cfg.compute_dtype)
-    dhtk = prepare.state_in(dht, geo) if cfg.output_final_state and dht is not None else None
-    dv, dh, dh0 = fused_chunk_bwd_dhdv(
-        x.q,
-        x.k,
-        dok,
-        x.gate,
-        dhtk,
-        specs=config.specs().reversed(),
-        scale=scale,
-        need_dh0=x.h0 is not None,
-        interpret=interpret,
+    geo = BackwardGeometry(
+        config.forward_geometry(has_h0=x.h0 is not None, has_states=True),
+        has_dht=dht is not None,
+        has_dh0=x.h0 is not None,
     )
-    dq, dk, da = chunk_bwd_dqkg(
-        x.q,
-        x.k,
-        x.v,
-        dok,
-        x.gate,
-        h,
-        dh,
-        specs=cfg.dqkg_specs(),
-        scale=scale,
-        interpret=interpret,
-        float32_products=x.float32_gate_grad,
+    dht = config.state_in(dht) if dht is not None else None
+    launch = functools.partial(fused_chunk_bwd, geo=geo)
+    arrays = (x.q, x.k, x.v, config.token_major(do), x.gate, x.states, dht)
+    dq, dk, dv, terms, dh0 = fold_vmap(launch, arrays, in_axes=(0,) * 7, out_axes=0)
+    da = gate_gradient(terms, x.gate, config.kernel_chunk)[:, : config.num_heads, : config.seq_len]
+    dg = jnp.swapaxes(da, 1, 2).astype(config.dtype_of("g")) if config.has("g") else None
+    dg_gamma = jnp.sum(da, axis=(0, 2)).astype(config.dtype_of("g_gamma")) if config.has("g_gamma") else None
+    d_initial = dh0[:, : config.num_heads].astype(config.dtype_of("initial_state")) if dh0 is not None else None
+    return (
+        config.from_token_major(dq, config.dtype_of("q")),
+        config.from_token_major(dk, config.dtype_of("k")),
+        config.from_token_major(dv, config.dtype_of("v")),
+        dg,
+        dg_gamma,
+        d_initial,
     )
-    dq, dk, dv, dg, dg_gamma, _, d_initial = op_gradients(cfg, None, dq, dk, dv, da, dh0, None)
-    return dq, dk, dv, dg, dg_gamma, d_initial
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _fused_attention(config, q, k, v, g, g_gamma, initial_state):
-    return _forward(config, q, k, v, g, g_gamma, initial_state)[0]
+    return _forward(config, q, k, v, g, g_gamma, initial_state, keep_states=False)[0]
 
 
 define_chunk_vjp(_fused_attention, _forward, _backward, implementation=IMPLEMENTATION, op=OP, g_gamma_argnum=5)
@@ -215,12 +232,9 @@ def fused_chunk_attention(
     scale: float | None = None,
     initial_state=None,
     output_final_state: bool = False,
-    chunk_size: int = 64,
-    num_steps: int = DEFAULT_NUM_STEPS,
     kernel_chunk: int = DEFAULT_KERNEL_CHUNK,
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
     interpret: bool = False,
-    block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES,
 ):
     """simple_gla on the fused Pallas TPU kernels (fixed-length inputs).
 
@@ -235,14 +249,11 @@ def fused_chunk_attention(
       scale: multiplies q; None means K ** -0.5.
       initial_state: [B, H, K, V] or None.
       output_final_state: also return the final states [B, H, K, V] float32.
-      chunk_size: 16, 32, 64 or 128.
-      num_steps: chunks per grid iteration of the backward's fused kernel, at most (the largest
-        divisor of the number of chunks that is <= num_steps is used).
-      kernel_chunk: the forward kernel's chunk (a power of two, 16 to 128); `chunk_size` is the
-        chunk of the backward's kernels. Both give the same function up to rounding.
-      block_tokens: tokens per grid step of the forward kernel, at most.
+      kernel_chunk: the kernels' chunk (16, 32, 64 or 128). The op's `chunk_size` does not
+        apply: every chunk size computes the same function up to rounding, and this one is a
+        tuning knob of these kernels (see `steps`).
+      block_tokens: tokens per grid step, at most.
       interpret: run the kernels in TPU interpret mode.
-      block_sizes: kernel tile sizes (`block_v` tiles V in the fused kernels).
 
     Returns:
       (o [B, T, H, V] in v's dtype, final_state or None). Differentiable in q, k, v, g,
@@ -258,14 +269,11 @@ def fused_chunk_attention(
     config = FusedConfig.create(
         q,
         v,
-        num_steps=num_steps,
-        kernel_chunk=kernel_chunk,
-        block_tokens=block_tokens,
-        chunk_size=chunk_size,
         scale=scale,
         output_final_state=output_final_state,
         interpret=interpret,
-        block_sizes=block_sizes,
+        kernel_chunk=kernel_chunk,
+        block_tokens=block_tokens,
         k=k,
         g=g,
         g_gamma=g_gamma,
