@@ -20,7 +20,7 @@ def _structs(case):
 @pytest.mark.parametrize(
     ("options", "expected"),
     [
-        (dict(gates=("g_gamma",)), "fused_g_gamma"),
+        (dict(gates=("g_gamma",)), "fused_chunk"),
         (dict(gates=("g",)), "fused_chunk"),
         (dict(gates=("g", "g_gamma")), "fused_chunk"),
         (dict(gates=("g_gamma",), num_heads=1, cu_seqlens=[0, 30, 100]), "chunk"),

@@ -113,12 +113,14 @@ def _tuple_elements(result_type: str) -> list[str]:
 
 
 def _written(opcode: str, result_type: str) -> str:
-    """The part of an instruction's result that it writes: an asynchronous `*-start` op returns
-    (operands, output, context), of which only the output is written."""
-    if opcode.endswith("-start"):
-        elements = _tuple_elements(result_type)
-        return elements[1] if len(elements) > 1 else result_type
-    return result_type
+    """The part of an instruction's result that it writes. An asynchronous `*-start` op returns a
+    tuple of its operand, its output (in either order) and a context scalar: its output is the
+    array element in an on-chip memory space if there is one (a prefetch), else the largest."""
+    if not opcode.endswith("-start"):
+        return result_type
+    arrays = [e for e in _tuple_elements(result_type) if _shape_bytes(e) > 4]
+    on_chip = [e for e in arrays if _is_on_chip(e)]
+    return (on_chip or sorted(arrays, key=_shape_bytes)[-1:] or [result_type])[0]
 
 
 def _is_on_chip(result_type: str) -> bool:

@@ -3,8 +3,9 @@
 It calls `gla_core.dispatch` with the first implementation of its family that accepts the
 call, in this order:
 
-- `fused_g_gamma`: the call's only gate is `g_gamma` (single-call forward and backward);
-- `fused_chunk`: any simple_gla gate (multi-chunk grid steps, two-pass backward);
+- `fused_chunk`: any simple_gla gate (one kernel forward, one backward, on the op's own layout);
+- `fused_g_gamma`: the call's only gate is `g_gamma` (when fused_chunk declines, which it does
+  for the same calls: in practice reached with `impl="fused_g_gamma"`);
 - `chunk`, then `xla`: what `chunk_simple_gla` uses, for the calls the fused kernels decline
   (e.g. packed varlen input) and off TPU, where Pallas kernels run only in TPU interpret mode
   when asked for (`gla_core.use(interpret=True)` or `GLA_INTERPRET=1`).
@@ -20,7 +21,7 @@ import jax
 from gla_core.kit import dispatch_by_name
 
 # `fused_chunk_simple_gla` runs the first of these (by priority) that accepts the call.
-FAMILY = ("fused_g_gamma", "fused_chunk", "chunk", "xla")
+FAMILY = ("fused_chunk", "fused_g_gamma", "chunk", "xla")
 
 
 def fused_chunk_simple_gla(
@@ -51,6 +52,6 @@ def fused_chunk_simple_gla(
     Returns:
       `(o [B, T, H, V] in v's dtype, final_state [N, H, K, V] float32 or None)`.
 
-    Implementation: see the module doc (`fused_g_gamma`, `fused_chunk`, then `chunk`, `xla`).
+    Implementation: see the module doc (`fused_chunk`, `fused_g_gamma`, then `chunk`, `xla`).
     """
     return dispatch_by_name("simple_gla", locals(), among=FAMILY)

@@ -43,7 +43,7 @@ def _implementation() -> gla_core.Implementation:
 
 def test_registered_for_tpu_above_chunk():
     impl = _implementation()
-    assert (impl.priority, impl.backends, impl.package, impl.interpretable) == (120, {"tpu"}, "gla-fused", True)
+    assert (impl.priority, impl.backends, impl.package, impl.interpretable) == (105, {"tpu"}, "gla-fused", True)
 
 
 def test_accepts_g_gamma_only_fixed_length_calls():
@@ -66,10 +66,13 @@ def test_declines_with_a_reason(overrides, expected):
     assert reason is not None and expected in reason
 
 
-def test_dispatch_on_tpu_picks_it_for_g_gamma_only_calls():
+def test_dispatch_on_tpu_accepts_g_gamma_only_calls_below_fused_chunk():
     arrays, gates = _arrays()
     with gla_core.use(backend="tpu"):
-        assert gla_core.explain("simple_gla", *arrays, **gates).winner.name == "fused_g_gamma"
+        resolution = gla_core.explain("simple_gla", *arrays, **gates)
+        assert resolution.winner.name == "fused_chunk"
+        assert next(c for c in resolution.candidates if c.implementation.name == "fused_g_gamma").accepted
+        assert gla_core.explain("simple_gla", *arrays, impl="fused_g_gamma", **gates).winner.name == "fused_g_gamma"
         arrays, gates = _arrays(gates=("g", "g_gamma"))
         resolution = gla_core.explain("simple_gla", *arrays, **gates)
     assert resolution.winner.name != "fused_g_gamma"
@@ -82,7 +85,7 @@ def test_dispatch_on_cpu_keeps_xla_unless_interpreting():
     with gla_core.use(backend="cpu", interpret=False):
         assert gla_core.explain("simple_gla", *arrays, **gates).winner.name == "xla"
     with gla_core.use(backend="cpu", interpret=True):
-        assert gla_core.explain("simple_gla", *arrays, **gates).winner.name == "fused_g_gamma"
+        assert gla_core.explain("simple_gla", *arrays, **gates).winner.name == "fused_chunk"
 
 
 def _reference_decays(gamma: float, valid: int, chunk: int) -> dict[str, np.ndarray]:
