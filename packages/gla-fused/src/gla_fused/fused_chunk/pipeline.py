@@ -162,7 +162,7 @@ class FusedResiduals:
     gate: jax.Array
     states: jax.Array
     h0: jax.Array | None
-    # Set by `define_chunk_vjp` when d g_gamma is asked for bfloat16 inputs (not used by these kernels).
+    # Set by `define_chunk_vjp` when d g_gamma is asked for bfloat16 inputs (`BackwardGeometry`).
     float32_gate_grad: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
@@ -195,6 +195,7 @@ def _backward(config: FusedConfig, x: FusedResiduals, cotangents):
         config.forward_geometry(has_h0=x.h0 is not None, has_states=True),
         has_dht=dht is not None,
         has_dh0=x.h0 is not None,
+        split_state_products=x.float32_gate_grad,
     )
     dht = config.state_in(dht) if dht is not None else None
     launch = functools.partial(fused_chunk_bwd, geo=geo)
