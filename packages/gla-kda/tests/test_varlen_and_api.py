@@ -104,8 +104,10 @@ def test_chunk_kda_family_choice():
 def test_chunk_kda_rejects_gate_options_without_in_kernel_gate():
     case = make_case("kda", seq_len=8)
     args = {k: case.inputs[k] for k in ("q", "k", "v", "g", "beta")}
-    with pytest.raises(errors.InvalidArgumentError, match="lower_bound"):
-        chunk_kda(**args, lower_bound=-5.0)
+    with pytest.raises(errors.InvalidArgumentError, match="A_log"):
+        chunk_kda(**args, A_log=jnp.zeros((2,)))
+    with pytest.raises(errors.InvalidArgumentError, match="lower_bound"):  # FLA's bound of g: negative
+        chunk_kda(**args, lower_bound=1.0)
     with pytest.raises(errors.ShapeError, match="A_log"):
         chunk_kda(**args, use_gate_in_kernel=True, A_log=jnp.zeros((3,)))
 

@@ -203,8 +203,10 @@ def test_bad_arguments_name_the_argument():
         recurrent.kda(**{**case.inputs, "initial_state": case.inputs["initial_state"][:, :1]})
     with pytest.raises(InvalidArgumentError, match="A_log"):
         recurrent.kda(**case.inputs, use_gate_in_kernel=True)
-    with pytest.raises(InvalidArgumentError, match="lower_bound"):
-        recurrent.kda(**case.inputs, lower_bound=-1.0)
+    with pytest.raises(InvalidArgumentError, match="allow_neg_eigval"):
+        recurrent.kda(**case.inputs, allow_neg_eigval=True)
+    with pytest.raises(InvalidArgumentError, match="A_log"):
+        recurrent.kda(**case.inputs, A_log=jnp.zeros((2,)))
     batched = make_case("gla", batch=2, seq_len=8, key_dim=4, value_dim=4)
     with pytest.raises(ShapeError, match="cu_seqlens"):
         recurrent.gla(**batched.inputs, cu_seqlens=jnp.asarray([0, 8], jnp.int32))

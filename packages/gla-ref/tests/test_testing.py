@@ -247,8 +247,8 @@ def test_make_case_rejects_bad_requests():
         make_case("kda", num_heads=2, num_value_heads=3)
     with pytest.raises(ValueError, match="gates"):
         make_case("simple_gla", gates=("gk",))
-    with pytest.raises(ValueError, match="lower_bound"):
-        make_case("kda", lower_bound=-1.0)
+    bounded = make_case("kda", lower_bound=-1.0)  # a precomputed gate's bound: g is clipped to it
+    assert float(bounded.inputs["g"].min()) >= -1.0 and bounded.options["lower_bound"] == -1.0
 
 
 # ------------------------------------------------------------------ oracle and comparisons

@@ -6,9 +6,11 @@ defines them because several packages serve them. gla-kda defines `kda` and `kda
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from gla_core.errors import InvalidArgumentError
 from gla_core.hookspecs import hookimpl
-from gla_core.ops import OpSpec, attention_spec
+from gla_core.ops import ContextParallelSpec, OpSpec, attention_spec
 from gla_core.validation import attention_call, check_gate, validate_common, validate_qkv
 
 
@@ -38,12 +40,31 @@ def _validate_gla(args, backend, interpret):
     return attention_call("gla", args, dims, num_sequences, ["gk"], backend, interpret)
 
 
+def _simple_gla_log_decay(args):
+    """Per-token log decay [B, T, H, 1] of simple_gla: g + g_gamma (either may be absent)."""
+    batch, seq_len, num_heads, _ = args["q"].shape
+    decay = jnp.zeros((batch, seq_len, num_heads, 1), jnp.float32)
+    if args["g"] is not None:
+        decay = decay + args["g"].astype(jnp.float32)[..., None]
+    if args["g_gamma"] is not None:
+        decay = decay + args["g_gamma"].astype(jnp.float32)[:, None]
+    return decay
+
+
+def _gla_log_decay(args):
+    """Per-token, per-key log decay [B, T, H, K] of gla: gk."""
+    return args["gk"].astype(jnp.float32)
+
+
 SIMPLE_GLA = attention_spec(
     "simple_gla",
     _validate_simple_gla,
     "gated linear attention with a scalar decay per head and step (g [B,T,H], g_gamma [H])",
     providers=("gla-simple", "gla-fused"),
     keywords=dict(g=None, g_gamma=None),
+    context_parallel=ContextParallelSpec(
+        token_arrays=("g",), head_arrays=("g_gamma",), log_decay=_simple_gla_log_decay
+    ),
 )
 GLA = attention_spec(
     "gla",
@@ -52,6 +73,7 @@ GLA = attention_spec(
     providers=("gla-simple",),
     keywords=dict(gk=None),
     aliases={"g": "gk"},  # FLA's chunk_gla calls the per-key gate `g`; fused_recurrent_gla calls it `gk`
+    context_parallel=ContextParallelSpec(token_arrays=("gk",), log_decay=_gla_log_decay),
 )
 
 

@@ -36,11 +36,20 @@ def _family(op: str, among: Sequence[str], registered: tuple[Implementation, ...
     return tuple(among)
 
 
-def _plan(op: str, arrays: tuple, kwargs: dict[str, Any], impl: str | None, among: Sequence[str] | None):
+def _plan(
+    op: str,
+    arrays: tuple,
+    kwargs: dict[str, Any],
+    impl: str | None,
+    among: Sequence[str] | None,
+    call_fields: Mapping[str, Any] | None = None,
+):
     registry = default_registry()
     spec = registry.op(op)
     impl_options = check_impl_options(kwargs.pop("impl_options", None))
     call, arguments = validate(spec, arrays, kwargs, backend=backend(), interpret=interpret_default())
+    if call_fields:
+        call = dataclasses.replace(call, **call_fields)
     registered = registry.implementations(op)
     unknown = sorted(set(impl_options) - {i.name for i in registered})
     if unknown:
@@ -75,15 +84,37 @@ def dispatch(op: str, *arrays: Any, impl: str | None = None, among: Sequence[str
       **kwargs: the op's keyword arguments by FLA's names (see `gla_core.ops`), plus
         `interpret` to run Pallas TPU kernels in TPU interpret mode and `impl_options`, a
         mapping from implementation name to its per-call options (see `gla_core.options`).
+        Context parallelism (inside `jax.shard_map` with T sharded over a mesh axis):
+        `context_axis`, that axis' name, and `context_exchange`, "all_gather" (default) or
+        "ring" (see `gla_core.context_parallel`).
 
     Returns:
       `(o, final_state)` for the attention ops (`final_state` is None unless
-      `output_final_state=True`); the gate `[B, T, HV, K]` for kda_gate.
+      `output_final_state=True`); the gate `[B, T, HV, K]` for kda_gate. With `context_axis`:
+      this device's slice of o and the final state of the whole sequences, on every device.
 
     Example:
       >>> o, ht = gla_core.dispatch("simple_gla", q, k, v, g=g, output_final_state=True)
     """
-    registry, spec, resolution, arguments = _plan(op, arrays, kwargs, impl, among)
+    if _context_parallel(kwargs):
+        from gla_core.context_parallel.run import dispatch_context_parallel  # it imports this module
+
+        return dispatch_context_parallel(op, arrays, kwargs, impl=impl, among=among)
+    return run(op, arrays, kwargs, impl=impl, among=among)
+
+
+def run(
+    op: str,
+    arrays: tuple,
+    kwargs: dict[str, Any],
+    *,
+    impl: str | None = None,
+    among: Sequence[str] | None = None,
+    call_fields: Mapping[str, Any] | None = None,
+) -> Any:
+    """`dispatch` of one call on this device's arrays; `call_fields` are set on its validated `Call`
+    before an implementation is chosen (context parallelism marks its per-device call this way)."""
+    registry, spec, resolution, arguments = _plan(op, arrays, kwargs, impl, among, call_fields)
     chosen = resolution.chosen()
     record = spec.arguments(**arguments, options=resolution.options)
     return registry.runner(chosen)(record)
@@ -95,9 +126,42 @@ def explain(
     """Every candidate for this call, accepted or declined with its reason, the winner and its options.
 
     Takes the same arguments as `dispatch`; arrays may be `jax.ShapeDtypeStruct`s.
-    `print(explain(...))` shows a table.
+    `print(explain(...))` shows a table. With `context_axis` (inside `jax.shard_map`), the call
+    explained is the one each device runs on its shard.
     """
+    if _context_parallel(kwargs):
+        from gla_core.context_parallel.run import explain_context_parallel  # it imports this module
+
+        return explain_context_parallel(op, arrays, kwargs, impl=impl, among=among)
     return _plan(op, arrays, kwargs, impl, among)[2]
+
+
+def resolution_of(
+    op: str,
+    arrays: tuple,
+    kwargs: dict[str, Any],
+    *,
+    impl: str | None = None,
+    among: Sequence[str] | None = None,
+    call_fields: Mapping[str, Any] | None = None,
+) -> Resolution:
+    """`explain` of one call on this device's arrays, with `call_fields` set on its `Call` (as `run`)."""
+    return _plan(op, arrays, kwargs, impl, among, call_fields)[2]
+
+
+def _context_parallel(kwargs: dict[str, Any]) -> bool:
+    """Whether the call asks for context parallelism; drops `context_axis=None` (the FLA-named
+    functions pass it) and rejects `context_exchange` without an axis."""
+    if kwargs.get("context_axis") is not None:
+        return True
+    kwargs.pop("context_axis", None)
+    exchange = kwargs.pop("context_exchange", None)
+    if exchange is not None:
+        raise InvalidArgumentError(
+            f"context_exchange: only used with context_axis (context parallelism), got "
+            f"context_exchange={exchange!r} without a context_axis"
+        )
+    return False
 
 
 def implementations(op: str | None = None) -> tuple[Implementation, ...]:

@@ -6,6 +6,7 @@ The names here are the stable surface; the modules behind them may move.
 
 Registry and records
   hookimpl, Implementation, Call, OpSpec, op_spec, attention_spec, Option, ImplOptions, positive_int, multiple_of,
+  ContextParallelSpec (how an op's state carries across devices under `context_axis`),
   ATTENTION_KEYWORDS, CHUNK_SIZES, DEFAULT_CHUNK_SIZE,
   dispatch_by_name (dispatch from a function with FLA's signature: its `locals()`)
 Validation building blocks (for an op's validator)
@@ -29,11 +30,16 @@ The shared Pallas chunk kernels (simple_gla / gla) and their pieces
 Kernels on the op's own token-major layout (no transposed copies)
   merge_heads, split_heads (the free [B, T*H, D] view), HeadRows, heads_per_group (per-head rows of a block),
   chunk_cumsum, two_sum, floor_cumsum_gates, CUMSUM_GATE_FLOOR (compensated in-kernel cumulative log decays)
+State arguments (state_v_first, the decode path's state pool; semantics in gla_core.state_args)
+  with_state_layout, declining_state_pool, swap_state_axes, STATE_POOL_REASON (adapters for registering an
+  implementation), decode (the serving decode step: decode_attention, decode.registration), host_boundaries,
+  state_v_first_of (FLA's deprecated transpose_state_layout), STATE_POOL, STATE_V_FIRST
 Checks for TPU without a TPU (tests)
   export_for_tpu, compile_for_tpu, CompileReport, DEFAULT_SCOPED_VMEM_BYTES, INTERPRET_HINT
 """
 
-from gla_core import varlen
+from gla_core import decode, varlen
+from gla_core.adapters import STATE_POOL_REASON, declining_state_pool, swap_state_axes, with_state_layout
 from gla_core.chunk import BlockSizes, chunk_gated_attention, prepare
 from gla_core.chunk.bwd_dqkg import chunk_bwd_dqkg
 from gla_core.chunk.common import (
@@ -62,12 +68,20 @@ from gla_core.chunk.gates import GATE_FLOOR, ChunkMasks, ScalarGate, floor_gates
 from gla_core.chunk.pipeline import ChunkConfig, KernelInputs, define_chunk_vjp, kernel_inputs, op_gradients
 from gla_core.dispatch import dispatch_by_name
 from gla_core.hookspecs import hookimpl
-from gla_core.ops import ATTENTION_KEYWORDS, CHUNK_SIZES, DEFAULT_CHUNK_SIZE, OpSpec, attention_spec
+from gla_core.ops import (
+    ATTENTION_KEYWORDS,
+    CHUNK_SIZES,
+    DEFAULT_CHUNK_SIZE,
+    ContextParallelSpec,
+    OpSpec,
+    attention_spec,
+)
 from gla_core.options import ImplOptions, Option, multiple_of, positive_int
 from gla_core.pallas_transforms import first_order_only, fold_vmap
 from gla_core.records import Call, Implementation
 from gla_core.registry import default_registry
 from gla_core.resolution import INTERPRET_HINT
+from gla_core.state_args import STATE_POOL, STATE_V_FIRST, host_boundaries, state_v_first_of
 from gla_core.token_major import HeadRows, heads_per_group, merge_heads, split_heads
 from gla_core.tpu import (
     NUM_LANES,
@@ -120,6 +134,9 @@ __all__ = [
     "NT",
     "NUM_LANES",
     "NUM_SUBLANES",
+    "STATE_POOL",
+    "STATE_POOL_REASON",
+    "STATE_V_FIRST",
     "TN",
     "BlockSizes",
     "Call",
@@ -127,6 +144,7 @@ __all__ = [
     "ChunkLayout",
     "ChunkMasks",
     "CompileReport",
+    "ContextParallelSpec",
     "HeadRows",
     "ImplOptions",
     "Implementation",
@@ -150,6 +168,8 @@ __all__ = [
     "compile_for_tpu",
     "compiler_params",
     "cost_estimate",
+    "declining_state_pool",
+    "decode",
     "define_chunk_vjp",
     "detect_races",
     "dispatch_by_name",
@@ -164,6 +184,7 @@ __all__ = [
     "has_no_tokens",
     "heads_per_group",
     "hookimpl",
+    "host_boundaries",
     "interpret_params",
     "intra_costs",
     "is_concrete",
@@ -184,6 +205,8 @@ __all__ = [
     "round_up",
     "row_to_column",
     "split_heads",
+    "state_v_first_of",
+    "swap_state_axes",
     "to_chunks",
     "two_sum",
     "unsupported_dtype_reason",
@@ -191,4 +214,5 @@ __all__ = [
     "validate_common",
     "validate_qkv",
     "varlen",
+    "with_state_layout",
 ]

@@ -26,15 +26,55 @@ DEFAULT_CHUNK_SIZE = 64
 CHUNK_SIZES = (16, 32, 64, 128)
 
 # Keywords of every attention op (simple_gla, gla, kda), with FLA's defaults, and the static ones.
+# state_v_first: the states are [N, H, V, K] (FLA's V-first layout) instead of [N, H, K, V].
+# cu_seqlens_cpu: FLA's host copy of cu_seqlens (checked; kept only where a shape depends on it).
+# ssm_state_indices, num_accepted_tokens, inplace_final_state: the serving decode path, where
+# initial_state is a pool of states addressed per sequence or per token (`gla_core.state_args`).
 ATTENTION_KEYWORDS = MappingProxyType(
-    dict(scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, chunk_size=DEFAULT_CHUNK_SIZE)
+    dict(
+        scale=None,
+        initial_state=None,
+        output_final_state=False,
+        cu_seqlens=None,
+        chunk_size=DEFAULT_CHUNK_SIZE,
+        state_v_first=False,
+        cu_seqlens_cpu=None,
+        ssm_state_indices=None,
+        num_accepted_tokens=None,
+        inplace_final_state=True,
+    )
 )
-ATTENTION_STATIC = frozenset({"scale", "output_final_state", "chunk_size"})
+ATTENTION_STATIC = frozenset(
+    {"scale", "output_final_state", "chunk_size", "state_v_first", "cu_seqlens_cpu", "inplace_final_state"}
+)
 # Fields every arguments record has besides the op's own.
 CALL_FIELDS = ("interpret", "options")
 
 # validate(arguments: dict, backend, interpret) -> Call: checks and normalizes `arguments` in place.
 Validator = Callable[[dict, str, bool], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextParallelSpec:
+    """How an attention op takes part in context parallelism (`dispatch(..., context_axis=...)`).
+
+    The op must be affine in its `[N, HV, K, V]` state, one value column at a time, with a
+    transition that does not depend on v: run from state S0, a sequence gives
+    `o = o|S0=0 + (scale q̂ᵀ M_t) S0` and `S_T = M_T S0 + C` (`gla_core.context_parallel`).
+
+    Attributes:
+      token_arrays: keyword arrays laid out `[B, T, ...]` (sharded along T like q, k, v).
+      head_arrays: keyword arrays whose leading axis is the heads (`[H]`, `[HV]`, `[HV * K]`):
+        sharded with the heads by `gla_core.dispatch_sharded`.
+      log_decay: for a diagonal transition (M_t = diag(exp(cumulative gate))), the function
+        `log_decay(arguments) -> [B, T, H, K or 1]` float32 giving each token's log decay from the
+        op's validated arguments (a dict). None for a dense `[K, K]` transition (kda), which is
+        obtained by running the op on K extra value columns from an identity state.
+    """
+
+    token_arrays: tuple[str, ...]
+    head_arrays: tuple[str, ...] = ()
+    log_decay: Callable[[Mapping[str, Any]], Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +92,8 @@ class OpSpec:
       summary: one line for people.
       providers: the distributions that implement it, named when no implementation is installed.
       aliases: other accepted keyword names (e.g. FLA's `chunk_gla` calls gla's `gk` `g`).
+      context_parallel: how its state carries across devices when T is sharded; None when the
+        op does not support `context_axis`.
     """
 
     name: str
@@ -62,6 +104,7 @@ class OpSpec:
     summary: str
     providers: tuple[str, ...] = ()
     aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    context_parallel: ContextParallelSpec | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "keywords", MappingProxyType(dict(self.keywords)))
@@ -86,9 +129,13 @@ def _arguments_class(spec: OpSpec) -> type:
     names = spec.argument_names
     static = [n for n in names if n in spec.static or n in CALL_FIELDS]
     camel = "".join(part.capitalize() for part in spec.name.split("_"))
+    # Arrays are required; keywords default to the op's defaults (records built by hand, e.g. in
+    # tests, keep working when an op gains a keyword); dispatch always passes every field.
+    defaults = {**spec.keywords, "interpret": False, "options": None}
+    fields = [n if n in spec.arrays else (n, Any, dataclasses.field(default=defaults[n])) for n in names]
     cls = dataclasses.make_dataclass(
         f"{camel}Arguments",
-        names,
+        fields,
         frozen=True,
         namespace={
             "__doc__": f"Validated arguments of op {spec.name!r} (static: {', '.join(static)}).",
@@ -108,6 +155,7 @@ def attention_spec(
     keywords: Mapping[str, Any],
     static: frozenset[str] = frozenset(),
     aliases: Mapping[str, str] | None = None,
+    context_parallel: ContextParallelSpec | None = None,
 ) -> OpSpec:
     """An attention op on q, k, v: its own keywords before FLA's common ones (scale, initial_state,
     output_final_state, cu_seqlens, chunk_size)."""
@@ -120,4 +168,5 @@ def attention_spec(
         summary=summary,
         providers=providers,
         aliases=aliases or {},
+        context_parallel=context_parallel,
     )

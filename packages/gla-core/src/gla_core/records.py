@@ -37,6 +37,8 @@ class Call:
       interpret: Pallas TPU kernels may run in TPU interpret mode.
       options: op-specific static options as sorted (name, value) pairs, e.g.
         ("use_qk_l2norm_in_kernel", True) for kda.
+      context_axis: the mesh axis T is sharded over when this is one device's part of a
+        context-parallel call (`dispatch(..., context_axis=...)`), else None.
     """
 
     op: str
@@ -55,6 +57,7 @@ class Call:
     backend: str = "cpu"
     interpret: bool = False
     options: tuple[tuple[str, Any], ...] = ()
+    context_axis: str | None = None
 
     def __post_init__(self):
         if self.num_value_heads is None:
@@ -89,6 +92,8 @@ class Call:
         if self.chunk_size is not None:
             parts.append(f"chunk={self.chunk_size}")
         parts.extend(f"{k}={v}" for k, v in self.options)
+        if self.context_axis is not None:
+            parts.append(f"context_axis={self.context_axis}")
         parts.append(f"backend={self.backend}" + (" (interpret)" if self.interpret else ""))
         return " ".join(parts)
 

@@ -115,12 +115,20 @@ def compile_only_device(chip: str):
     return topologies.get_topology_desc(TOPOLOGIES[chip], "tpu").devices[0]
 
 
-def compile_for_tpu(fn: Callable[..., Any], args: Sequence[jax.ShapeDtypeStruct], chip: str = "v6e") -> CompileReport:
-    """Compiles `fn(*args)` for a compile-only TPU device of `chip` and reports memory use."""
+def compile_for_tpu(
+    fn: Callable[..., Any],
+    args: Sequence[jax.ShapeDtypeStruct],
+    chip: str = "v6e",
+    donate_argnums: tuple[int, ...] = (),
+) -> CompileReport:
+    """Compiles `fn(*args)` for a compile-only TPU device of `chip` and reports memory use.
+
+    `donate_argnums`: arguments whose buffers the program may reuse (e.g. a state pool updated in place).
+    """
     device = compile_only_device(chip)
     sharding = jax.sharding.SingleDeviceSharding(device)
     placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
     with use(backend="tpu", interpret=False):
-        compiled = jax.jit(fn).lower(*placed).compile()
+        compiled = jax.jit(fn, donate_argnums=donate_argnums).lower(*placed).compile()
     memory = compiled.memory_analysis()
     return CompileReport(chip, int(memory.temp_size_in_bytes), kernel_reports(compiled.as_text()))

@@ -27,6 +27,7 @@ from gla_core.errors import (
 )
 from gla_core.ops import CHUNK_SIZES, OpSpec
 from gla_core.records import Call
+from gla_core.state_args import state_options, validate_state_arguments
 
 
 def bind_arguments(spec: OpSpec, arrays: tuple, kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -197,9 +198,8 @@ def validate_common(
     num_sequences = None
     if args["cu_seqlens"] is not None:
         args["cu_seqlens"], num_sequences = check_cu_seqlens(args["cu_seqlens"], batch, seq_len)
-    if args["initial_state"] is not None:
-        n = num_sequences if num_sequences is not None else batch
-        check_state(args["initial_state"], (n, state_heads, key_dim, value_dim))
+    # initial_state (or the state pool), state_v_first, cu_seqlens_cpu: see gla_core.state_args
+    validate_state_arguments(args, batch, seq_len, state_heads, key_dim, value_dim, num_sequences)
     args["output_final_state"] = require_bool("output_final_state", args["output_final_state"])
     args["chunk_size"] = normalize_chunk_size(args["chunk_size"])
     args["scale"] = resolve_scale(args["scale"], key_dim)
@@ -211,8 +211,12 @@ def check_gate(name: str, x: Any, expected: tuple[int, ...], layout: str) -> Non
     require_float(name, x)
 
 
-def attention_call(op, args, dims, num_sequences, gates, backend, interpret, options=()) -> Call:
+def attention_call(op, args, dims, num_sequences, gates, backend, interpret, options=(), keep_host_boundaries=False):
+    """The `Call` of a validated attention op; `options` are the op's own, the state options
+    (`state_args.state_options`) are added. `keep_host_boundaries`: a result's shape depends on the
+    packed boundaries, so `cu_seqlens_cpu` (or a concrete `cu_seqlens`) is kept in the arguments."""
     batch, seq_len, num_heads, num_value_heads, key_dim, value_dim = dims
+    options = (*options, *state_options(args, keep_host_boundaries))
     return Call(
         op=op,
         batch=batch,

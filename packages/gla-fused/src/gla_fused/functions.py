@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import jax
 
-from gla_core.kit import dispatch_by_name
+from gla_core.kit import DEFAULT_CHUNK_SIZE, dispatch_by_name
 
 # `fused_chunk_simple_gla` runs the first of these (by priority) that accepts the call.
 FAMILY = ("fused_chunk", "fused_g_gamma", "chunk", "xla")
@@ -34,7 +34,10 @@ def fused_chunk_simple_gla(
     initial_state: jax.Array | None = None,
     output_final_state: bool = False,
     cu_seqlens: jax.Array | None = None,
-    chunk_size: int = 64,
+    *,
+    context_axis: str | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    state_v_first: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Simple gated linear attention on the fused chunk kernels.
 
@@ -47,11 +50,20 @@ def fused_chunk_simple_gla(
       scale: multiplies q·k; default K ** -0.5.
       initial_state: [N, H, K, V] or None; output_final_state: also return the final state.
       cu_seqlens: [N+1] int32 packed sequence boundaries (B must be 1), or None.
-      chunk_size: 16, 32, 64 or 128.
+      chunk_size: 16, 32, 64 or 128 (gla's extra, keyword-only).
+      state_v_first: the states are [N, H, V, K] (gla's extra; FLA's fused_chunk has no such argument).
+      context_axis: the mesh axis T is sharded over, inside `jax.shard_map` (context parallelism, see
+        `gla_core.context_parallel`); None: this device holds whole sequences.
 
     Returns:
       `(o [B, T, H, V] in v's dtype, final_state [N, H, K, V] float32 or None)`.
 
     Implementation: see the module doc (`fused_chunk`, `fused_g_gamma`, then `chunk`, `xla`).
+
+    Example:
+      >>> q = k = v = jnp.ones((1, 128, 2, 64))
+      >>> o, ht = fused_chunk_simple_gla(q, k, v, g_gamma=jnp.full((2,), -0.1), output_final_state=True)
+      >>> o.shape, ht.shape
+      ((1, 128, 2, 64), (1, 2, 64, 64))
     """
     return dispatch_by_name("simple_gla", locals(), among=FAMILY)

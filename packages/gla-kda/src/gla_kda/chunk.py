@@ -9,14 +9,13 @@ Each of these carries its own gradient; the kernels and their backward live in
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from gla_core import Call
 from gla_core.kit import unsupported_dtype_reason
 from gla_kda.empty import empty_result, has_no_tokens
 from gla_kda.gate import kda_gate
-from gla_kda.inputs import floor_log_decay
+from gla_kda.inputs import beta_of, floor_log_decay
 from gla_kda.l2norm import l2norm
 from gla_kda.nonfinite import NonFiniteGuard
 from gla_kda.pallas import layout as kl
@@ -41,7 +40,7 @@ def kda_chunk(args):
     Returns:
       (o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 or None).
     """
-    q, k, v, g, beta = args.q, args.k, args.v, args.g, args.beta
+    q, k, v, g = args.q, args.k, args.v, args.g
     initial_state, cu_seqlens, chunk_size = args.initial_state, args.cu_seqlens, args.chunk_size
     output_final_state = args.output_final_state
     batch, seq_len, num_heads, key_dim = q.shape
@@ -54,9 +53,7 @@ def kda_chunk(args):
     if args.use_gate_in_kernel:
         g = kda_gate(g, args.A_log, args.dt_bias, args.lower_bound, output_dtype=jnp.float32)
     g = floor_log_decay(g.astype(jnp.float32))
-    beta = beta.astype(jnp.float32)
-    if args.use_beta_sigmoid_in_kernel:
-        beta = jax.nn.sigmoid(beta)
+    beta = beta_of(args, jnp.float32)
     guard, (q, k, v, g, beta, initial_state) = NonFiniteGuard.build(q, k, v, g, beta, initial_state, cu_seqlens)
 
     layout = kl.make_layout(seq_len, key_dim, value_dim, chunk_size, cu_seqlens)
@@ -95,6 +92,20 @@ def kda_chunk(args):
     return guard.apply(o, ht)
 
 
+DISABLE_RECOMPUTE_REASON = (
+    "disable_recompute=True: the Pallas pipeline's backward recomputes the chunk states (keeping them "
+    "from the forward is a change inside gla_kda.pallas, not made yet); impl='xla' keeps its intermediates"
+)
+INTERMEDIATE_STATES_REASON = (
+    "return_intermediate_states=True: the Pallas pipeline does not return its per-chunk states; impl='xla' does"
+)
+
+
 def supports(call: Call) -> str | None:
-    """Declines only what the kernels cannot run: float64 (no 64-bit floats on TPU)."""
+    """Declines what the kernels cannot run: float64 (no 64-bit floats on TPU), and FLA's
+    `disable_recompute` and `return_intermediate_states` (see the reasons)."""
+    if call.option("disable_recompute", False):
+        return DISABLE_RECOMPUTE_REASON
+    if call.option("return_intermediate_states", False):
+        return INTERMEDIATE_STATES_REASON
     return unsupported_dtype_reason(call.dtype)

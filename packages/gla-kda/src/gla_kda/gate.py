@@ -3,8 +3,9 @@
     x    = g + dt_bias[h, k]                       (dt_bias optional)
     gate = -exp(A_log[h]) * softplus(x)            (no lower bound)
     gate = lower_bound * sigmoid(exp(A_log[h]) * x)  (with lower_bound < 0)
+    gate = lower_bound * sigmoid(x)                    (with lower_bound and no A_log, as FLA's)
 
-Shapes: g [..., HV, K] (usually [B, T, HV, K]), A_log [HV], dt_bias [HV * K].
+Shapes: g [..., HV, K] (usually [B, T, HV, K]), A_log [HV] or None, dt_bias [HV * K].
 Both forms are <= 0 and never exponentiate a large positive number (softplus and sigmoid
 are evaluated in their stable forms). Math is done in float32 (float64 stays float64).
 
@@ -26,8 +27,8 @@ def compute_dtype(dtype) -> jnp.dtype:
 
 
 def _broadcast_params(A_log, dt_bias, num_value_heads: int, key_dim: int, dtype):
-    """A_log [HV] -> [HV, 1] and dt_bias [HV*K] -> [HV, K] (or None), in `dtype`."""
-    a_log = A_log.astype(dtype).reshape(num_value_heads, 1)
+    """A_log [HV] -> [HV, 1] (zeros, a rate of 1, when None) and dt_bias [HV*K] -> [HV, K] (or None), in `dtype`."""
+    a_log = jnp.zeros((num_value_heads, 1), dtype) if A_log is None else A_log.astype(dtype).reshape(num_value_heads, 1)
     bias = None if dt_bias is None else dt_bias.astype(dtype).reshape(num_value_heads, key_dim)
     return a_log, bias
 
@@ -37,7 +38,7 @@ def gate_forward(g, A_log, dt_bias=None, lower_bound=None):
 
     Args:
       g: [..., HV, K] raw gate input.
-      A_log: [HV] log of the per-head decay rate.
+      A_log: [HV] log of the per-head decay rate; None (a rate of 1) only with a lower_bound.
       dt_bias: [HV * K] optional bias added to g.
       lower_bound: None, or a negative float: the gate then lies in (lower_bound, 0).
 
@@ -67,8 +68,8 @@ def gate_backward(dgate, g, A_log, dt_bias=None, lower_bound=None):
     """Gradients of `gate_forward` for a cotangent `dgate` [..., HV, K].
 
     Returns:
-      (dg [..., HV, K], dA_log [HV], ddt_bias [HV * K] or None), all in the compute dtype
-      (float32, or float64 for float64 inputs); dA_log and ddt_bias are summed over the
+      (dg [..., HV, K], dA_log [HV] or None (no A_log), ddt_bias [HV * K] or None), all in the compute
+      dtype (float32, or float64 for float64 inputs); dA_log and ddt_bias are summed over the
       leading axes of g.
     """
     dtype = compute_dtype(g.dtype)
@@ -89,7 +90,7 @@ def gate_backward(dgate, g, A_log, dt_bias=None, lower_bound=None):
         dx = _chain(dz, rate)
         da_elem = _chain(dz, z)
     leading = tuple(range(g.ndim - 2))
-    dA_log = jnp.sum(da_elem, axis=(*leading, g.ndim - 1))
+    dA_log = None if A_log is None else jnp.sum(da_elem, axis=(*leading, g.ndim - 1))
     ddt_bias = None if dt_bias is None else jnp.sum(dx, axis=leading).reshape(-1)
     return dx, dA_log, ddt_bias
 
@@ -108,7 +109,7 @@ def _kda_gate_bwd(lower_bound, output_dtype, residuals, dgate):
     dg, dA_log, ddt_bias = gate_backward(dgate, g, A_log, dt_bias, lower_bound)
     return (
         dg.astype(g.dtype),
-        dA_log.astype(A_log.dtype),
+        None if A_log is None else dA_log.astype(A_log.dtype),
         None if dt_bias is None else ddt_bias.astype(dt_bias.dtype),
     )
 
@@ -121,7 +122,7 @@ def kda_gate(g, A_log, dt_bias=None, lower_bound=None, output_dtype=jnp.float32)
 
     Args:
       g: [B, T, HV, K] raw gate input (any float dtype).
-      A_log: [HV] log decay rate per value head.
+      A_log: [HV] log decay rate per value head (None with a lower_bound: a rate of 1).
       dt_bias: [HV * K] optional bias added to g before the nonlinearity.
       lower_bound: None for `-exp(A_log) * softplus(g + dt_bias)`, or a negative float for
         `lower_bound * sigmoid(exp(A_log) * (g + dt_bias))`.

@@ -7,7 +7,7 @@ chunk padding, so padded slots stay exactly zero):
             `scale` (the only place the scale is applied)
   g      -> the log decay: `kda_gate(g, A_log, dt_bias, lower_bound)` when `use_gate_in_kernel`,
             raised to `log_decay_floor` (`floor_log_decay`)
-  beta   -> `sigmoid(beta)` when `use_beta_sigmoid_in_kernel`
+  beta   -> `sigmoid(beta)` when `use_beta_sigmoid_in_kernel` (`2 sigmoid(beta)` with `allow_neg_eigval`)
   v      -> float32
 
 Each step is differentiable (l2norm and the gate carry their own `custom_vjp`), so an
@@ -78,10 +78,20 @@ def prepare_inputs(args) -> Prepared:
     if args.use_gate_in_kernel:
         g = kda_gate(g, args.A_log, args.dt_bias, args.lower_bound, output_dtype=dtype)
     g = floor_log_decay(g.astype(dtype))
+    beta = beta_of(args, dtype)
+    return Prepared(q=q, k=k, v=args.v.astype(dtype), g=g, beta=beta)
+
+
+def beta_of(args, dtype):
+    """The delta-rule strength beta [B, T, HV] of a kda arguments record in `dtype`: `sigmoid(beta)` with
+    `use_beta_sigmoid_in_kernel`, `2 * sigmoid(beta)` (in (0, 2), FLA's negative eigenvalues) when
+    `allow_neg_eigval` too, else beta as given."""
     beta = args.beta.astype(dtype)
     if args.use_beta_sigmoid_in_kernel:
         beta = jax.nn.sigmoid(beta)
-    return Prepared(q=q, k=k, v=args.v.astype(dtype), g=g, beta=beta)
+        if getattr(args, "allow_neg_eigval", False):
+            beta = 2.0 * beta
+    return beta
 
 
 def expand_value_heads(x, num_value_heads: int):

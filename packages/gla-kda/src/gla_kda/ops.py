@@ -13,6 +13,7 @@ import numpy as np
 from gla_core.errors import DTypeError, InvalidArgumentError, describe
 from gla_core.kit import (
     Call,
+    ContextParallelSpec,
     OpSpec,
     attention_call,
     attention_spec,
@@ -37,22 +38,34 @@ def validate_lower_bound(value: Any) -> float | None:
 
 
 def validate_gate_params(op: str, args: dict[str, Any], num_value_heads: int, key_dim: int) -> None:
-    """Checks A_log [HV] (required), dt_bias [HV*K] (optional) and lower_bound."""
-    if args["A_log"] is None:
-        raise InvalidArgumentError(
-            "A_log: required [HV] array when the gate is computed in the kernel"
-            + (" (use_gate_in_kernel=True)" if op == "kda" else "")
-        )
-    check_gate("A_log", args["A_log"], (num_value_heads,), "[HV]")
+    """Checks A_log [HV] or FLA's [1, 1, HV, 1] (normalized to [HV]; may be None with a lower_bound:
+    the rate exp(A_log) is then 1), dt_bias [HV*K] (optional) and lower_bound."""
+    args["lower_bound"] = validate_lower_bound(args["lower_bound"])
+    A_log = args["A_log"]
+    if A_log is None:
+        if args["lower_bound"] is None:
+            raise InvalidArgumentError(
+                "A_log: required [HV] array when the gate is computed in the kernel"
+                + (" (use_gate_in_kernel=True)" if op == "kda" else "")
+                + " without a lower_bound, got None"
+            )
+    else:
+        if tuple(getattr(A_log, "shape", ())) == (1, 1, num_value_heads, 1):  # FLA's layout
+            A_log = args["A_log"] = A_log.reshape(num_value_heads)
+        check_gate("A_log", A_log, (num_value_heads,), "[HV] (or [1, 1, HV, 1])")
     if args["dt_bias"] is not None:
         check_gate("dt_bias", args["dt_bias"], (num_value_heads * key_dim,), "[HV * K]")
-    args["lower_bound"] = validate_lower_bound(args["lower_bound"])
+
+
+# kda's flags, and FLA's newer ones (in Call.options only when True).
+_FLAGS = ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel")
+_FLA_FLAGS = ("allow_neg_eigval", "safe_gate", "disable_recompute", "return_intermediate_states")
 
 
 def _validate_kda(args, backend, interpret):
     dims = validate_qkv("kda", args, grouped_values=True)
     batch, seq_len, _, num_value_heads, key_dim, value_dim = dims
-    for flag in ("use_qk_l2norm_in_kernel", "use_gate_in_kernel", "use_beta_sigmoid_in_kernel"):
+    for flag in (*_FLAGS, *_FLA_FLAGS):
         args[flag] = require_bool(flag, args[flag])
     if args["g"] is None:
         raise InvalidArgumentError("g: required for op 'kda' (per-key log decay, or raw gate input, [B, T, HV, K])")
@@ -63,12 +76,16 @@ def _validate_kda(args, backend, interpret):
     if args["use_gate_in_kernel"]:
         validate_gate_params("kda", args, num_value_heads, key_dim)
     else:
-        for name in ("A_log", "dt_bias", "lower_bound"):
+        for name in ("A_log", "dt_bias"):
             if args[name] is not None:
                 raise InvalidArgumentError(
                     f"{name}: only used when use_gate_in_kernel=True, got {describe(args[name])} "
                     "with use_gate_in_kernel=False (it would be ignored)"
                 )
+        # FLA's safe-gate calls pass the bound of a precomputed g: it states g >= lower_bound (FLA's
+        # kernels rely on it; gla's compute the recurrence exactly for any g)
+        args["lower_bound"] = validate_lower_bound(args["lower_bound"])
+    _validate_fla_flags(args)
     num_sequences = validate_common("kda", args, batch, seq_len, num_value_heads, key_dim, value_dim)
     options = [
         ("use_qk_l2norm_in_kernel", args["use_qk_l2norm_in_kernel"]),
@@ -76,8 +93,42 @@ def _validate_kda(args, backend, interpret):
         ("use_beta_sigmoid_in_kernel", args["use_beta_sigmoid_in_kernel"]),
         ("has_dt_bias", args["dt_bias"] is not None),
         ("has_lower_bound", args["lower_bound"] is not None),
+        *((flag, True) for flag in _FLA_FLAGS if args[flag]),
     ]
-    return attention_call("kda", args, dims, num_sequences, ["g"], backend, interpret, options)
+    intermediate = args["return_intermediate_states"]
+    call = attention_call(
+        "kda", args, dims, num_sequences, ["g"], backend, interpret, options, keep_host_boundaries=intermediate
+    )
+    if intermediate and num_sequences is not None and args["cu_seqlens_cpu"] is None:
+        raise InvalidArgumentError(
+            "return_intermediate_states: with packed sequences the number of chunks depends on the "
+            "boundaries; pass cu_seqlens_cpu (the host copy of cu_seqlens) or a concrete cu_seqlens"
+        )
+    return call
+
+
+def _validate_fla_flags(args) -> None:
+    """FLA's rules for its kda flags (each raises naming the flag)."""
+    if args["allow_neg_eigval"] and not args["use_beta_sigmoid_in_kernel"]:
+        raise InvalidArgumentError(
+            "allow_neg_eigval: needs use_beta_sigmoid_in_kernel=True (beta = 2 * sigmoid(beta), in (0, 2)), "
+            "got use_beta_sigmoid_in_kernel=False"
+        )
+    if args["safe_gate"] and args["use_gate_in_kernel"]:
+        bound = args["lower_bound"]
+        if bound is None or not -5.0 <= bound < 0.0:
+            raise InvalidArgumentError(
+                f"lower_bound: safe_gate=True with use_gate_in_kernel=True needs a lower_bound in [-5, 0), got {bound}"
+            )
+    if args["return_intermediate_states"] and args["ssm_state_indices"] is not None:
+        raise InvalidArgumentError(
+            "return_intermediate_states: not with a state pool (ssm_state_indices); the decode path returns the "
+            "updated pool, or every token's state with inplace_final_state=False"
+        )
+    if args["return_intermediate_states"] and args["disable_recompute"]:
+        raise InvalidArgumentError(
+            "return_intermediate_states: needs disable_recompute=False (as in FLA), got disable_recompute=True"
+        )
 
 
 def _validate_kda_gate(args, backend, interpret):
@@ -125,8 +176,16 @@ KDA = attention_spec(
         dt_bias=None,
         lower_bound=None,
         use_beta_sigmoid_in_kernel=False,
+        allow_neg_eigval=False,
+        safe_gate=False,
+        disable_recompute=False,
+        return_intermediate_states=False,
     ),
-    static=frozenset({"use_qk_l2norm_in_kernel", "use_gate_in_kernel", "lower_bound", "use_beta_sigmoid_in_kernel"}),
+    static=frozenset(
+        {"use_qk_l2norm_in_kernel", "use_gate_in_kernel", "lower_bound", "use_beta_sigmoid_in_kernel", *_FLA_FLAGS}
+    ),
+    # the delta rule mixes the key rows of the state: a dense [K, K] transition per shard
+    context_parallel=ContextParallelSpec(token_arrays=("g", "beta"), head_arrays=("A_log", "dt_bias")),
 )
 KDA_GATE = OpSpec(
     name="kda_gate",

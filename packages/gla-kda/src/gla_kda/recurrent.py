@@ -38,7 +38,9 @@ def _step(state, token):
     return state, einsum("bk,bkv->bv", q, state)
 
 
-def recurrent_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, output_final_state: bool, segment: int):
+def recurrent_delta_rule(
+    q, k, v, g, beta, initial_state, cu_seqlens, output_final_state: bool, segment: int, recompute: bool = True
+):
     """The recurrence on prepared inputs.
 
     Args:
@@ -46,6 +48,8 @@ def recurrent_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, output_fin
       beta: [B, T, HV]; initial_state: [N, HV, K, V] or None; cu_seqlens: [N+1] int32 or None.
       output_final_state: return the state after each sequence.
       segment: steps per checkpointed segment (capped at T).
+      recompute: checkpoint the segments (recompute their states in the backward); False keeps
+        every step's state (FLA's disable_recompute: memory for speed).
 
     Returns:
       (o [B, T, HV, V] float32, final_state [N, HV, K, V] float32 or None).
@@ -64,7 +68,6 @@ def recurrent_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, output_fin
     tokens = tuple(jnp.swapaxes(x, 1, 2) for x in grid.to_chunks_together([q, k, v, g, beta[..., None]]))
     first, sequence = grid.chunk_flags()
 
-    @jax.checkpoint
     def run_segment(state, segment_inputs):
         (qs, ks, vs, gs, bs), first, sequence = segment_inputs
         if grid.varlen:
@@ -73,7 +76,8 @@ def recurrent_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, output_fin
         return state, (o, state if grid.varlen and output_final_state else None)
 
     carry = initial_state[0] if grid.varlen else initial_state.reshape((-1, *initial_state.shape[2:]))
-    last, (o, ends) = jax.lax.scan(run_segment, carry, (tokens, first, sequence))
+    step = jax.checkpoint(run_segment) if recompute else run_segment
+    last, (o, ends) = jax.lax.scan(step, carry, (tokens, first, sequence))
     o = grid.from_chunks(jnp.swapaxes(o, 1, 2))
     if not output_final_state:
         return o, None
@@ -86,7 +90,8 @@ def recurrent_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, output_fin
 def kda_recurrent(args):
     """kda through the token-by-token scan, on the call's validated arguments record.
 
-    `chunk_size` only sets the checkpoint segment length of the backward.
+    `chunk_size` only sets the checkpoint segment length of the backward; `disable_recompute` turns
+    the checkpoints off. Declines `return_intermediate_states` (`supports`).
     Returns (o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 (float64 for float64
     inputs) or None).
     """
@@ -105,5 +110,19 @@ def kda_recurrent(args):
         cu_seqlens,
         args.output_final_state,
         args.chunk_size,
+        recompute=not args.disable_recompute,
     )
     return o.astype(v.dtype), final
+
+
+INTERMEDIATE_STATES_REASON = (
+    "return_intermediate_states=True: the per-chunk states are returned by the chunked implementations "
+    "(impl='xla' or 'reference')"
+)
+
+
+def supports(call) -> str | None:
+    """Every call except FLA's `return_intermediate_states` (its segments are not FLA's chunks)."""
+    if call.option("return_intermediate_states", False):
+        return INTERMEDIATE_STATES_REASON
+    return None

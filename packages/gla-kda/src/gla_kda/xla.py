@@ -25,6 +25,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from gla_kda.chunking import ChunkGrid, flat, select_initial_state, zero_state
 from gla_kda.empty import result_without_tokens
@@ -41,6 +42,7 @@ class ChunkConfig:
     chunk_size: int
     output_final_state: bool
     sub_block: int = DEFAULT_SUB_BLOCK
+    recompute: bool = True  # False: FLA's disable_recompute (keep the largest intermediate for the backward)
 
 
 # --------------------------------------------------------------------------- forward
@@ -93,7 +95,8 @@ def chunked_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, config: Chun
       config: chunk size, whether to return the final state, sub-block size.
 
     Returns:
-      (o [B, T, HV, V] float32, final_state [N, HV, K, V] float32 or None).
+      (o [B, T, HV, V] float32, final_state [N, HV, K, V] float32 or None, states [NT, B*HV, K, V]
+      entering every chunk of the chunk grid).
     """
     batch, seq_len, heads, value_dim = v.shape
     key_dim = k.shape[-1]
@@ -107,13 +110,29 @@ def chunked_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, config: Chun
     q, k = expand_value_heads(q, heads), expand_value_heads(k, heads)
     qc, kc, vc, gc, bc = grid.to_chunks_together([q, k, v, g, beta[..., None]])
     num_chunks, merged = qc.shape[:2]
-    intra = intra_chunk(flat(qc), flat(kc), flat(vc), flat(gc), flat(bc)[..., 0], config.sub_block)
+    intra = intra_chunk(flat(qc), flat(kc), flat(vc), flat(gc), flat(bc)[..., 0], config.sub_block, config.recompute)
     intra = jax.tree.map(lambda x: x.reshape((num_chunks, merged, *x.shape[1:])), intra)
     states, delta, last = _state_recurrence(intra, initial_state, grid)
     o = einsum("bck,bkv->bcv", flat(intra.qg), flat(states)) + einsum("bcj,bjv->bcv", flat(intra.Aqk), flat(delta))
     o = grid.from_chunks(o.reshape((num_chunks, merged, *o.shape[1:])))
     final = _final_states(intra, states, delta, last, initial_state, grid) if config.output_final_state else None
-    return o, final
+    return o, final, states
+
+
+def intermediate_states(states, batch: int, heads: int, seq_len: int, chunk_size: int, boundaries, dtype):
+    """FLA's `return_intermediate_states`: the state entering every chunk, [B, NT, HV, K, V] in `dtype`.
+
+    `states` [NT', B*HV, K, V] enter the chunks of the chunk grid; NT = ceil(T / C), or with packed
+    sequences (host `boundaries`, B = 1) the sum of ceil(len_n / C): the grid holds each sequence's
+    chunks in order first, then padding chunks.
+    """
+    if boundaries is None:
+        count = -(-seq_len // chunk_size)
+    else:
+        lengths = np.diff(np.asarray(boundaries))
+        count = int(np.sum(-(-lengths // chunk_size)))
+    h = states[:count].reshape(count, batch, heads, *states.shape[2:])
+    return jnp.swapaxes(h, 0, 1).astype(dtype)
 
 
 # --------------------------------------------------------------------------- implementation
@@ -123,16 +142,29 @@ def kda_xla(args):
     """kda through the chunked `jnp` pipeline, on the call's validated arguments record.
 
     Returns (o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 (float64 for float64
-    inputs) or None).
+    inputs) or None), and with `return_intermediate_states` the state entering every chunk
+    `[B, NT, HV, K, V]` in q's dtype (`intermediate_states`; not marked NaN for non-finite inputs).
+    `disable_recompute` keeps the diagonal blocks' decay tensor for the backward instead of
+    rematerializing it.
     """
     empty = result_without_tokens(args, compute_dtype(args.q.dtype))
     if empty is not None:
-        return empty
+        if not args.return_intermediate_states:
+            return empty
+        batch, _, heads, value_dim = args.v.shape
+        return (*empty, jnp.zeros((batch, 0, heads, args.q.shape[-1], value_dim), args.q.dtype))
     v, initial_state, cu_seqlens = args.v, args.initial_state, args.cu_seqlens
     prepared = prepare_inputs(args)
-    config = ChunkConfig(chunk_size=args.chunk_size, output_final_state=args.output_final_state)
+    config = ChunkConfig(
+        chunk_size=args.chunk_size, output_final_state=args.output_final_state, recompute=not args.disable_recompute
+    )
     guard, finite = NonFiniteGuard.build(
         prepared.q, prepared.k, prepared.v, prepared.g, prepared.beta, initial_state, cu_seqlens
     )
-    o, final = guard.apply(*chunked_delta_rule(*finite, cu_seqlens, config))
-    return o.astype(v.dtype), final
+    o, final, states = chunked_delta_rule(*finite, cu_seqlens, config)
+    o, final = guard.apply(o, final)
+    if not args.return_intermediate_states:
+        return o.astype(v.dtype), final
+    batch, seq_len, heads = v.shape[:3]
+    h = intermediate_states(states, batch, heads, seq_len, args.chunk_size, args.cu_seqlens_cpu, args.q.dtype)
+    return o.astype(v.dtype), final, h

@@ -71,11 +71,11 @@ def prefix_and_suffix_sums(g):
     return sums[:, :length], sums[:, length:]
 
 
-@jax.checkpoint
-def _diagonal_blocks(qb, kb, gb):
+def _diagonal_block_scores(qb, kb, gb):
     """Scores inside each diagonal sub-block; qb, kb, gb [M, c, K] -> ([M, c, c] qk incl. diagonal, kk strict).
 
-    Rematerialized in the backward: its [M, c, c, K] decay tensor is c times the size of k.
+    Its [M, c, c, K] decay tensor is c times the size of k: `_diagonal_blocks` rematerializes it in
+    the backward (the default); FLA's `disable_recompute` keeps it instead.
     """
     m, c, key_dim = gb.shape
     i, j, t = np.ogrid[:c, :c, :c]
@@ -87,6 +87,9 @@ def _diagonal_blocks(qb, kb, gb):
     rows = jnp.stack([qb, kb], axis=2).reshape(m * c, 2, key_dim)  # q_i and k_i side by side
     scores = einsum("bsk,bjk->bsj", rows, k_decay).reshape(m, c, 2, c)
     return scores[:, :, 0], jnp.where(jnp.asarray(np.tril(np.ones((c, c), bool), -1)), scores[:, :, 1], 0.0)
+
+
+_diagonal_blocks = jax.checkpoint(_diagonal_block_scores)
 
 
 def _earlier_blocks(qb, kb, gb):
@@ -119,14 +122,16 @@ def _with_diagonal(earlier, diag):
     return full.reshape(n, nb, c, nb * c)
 
 
-def decayed_scores(q, k, g, sub_block: int = DEFAULT_SUB_BLOCK):
-    """Aqk [N, C, C] (j <= i) and the unweighted Akk [N, C, C] (j < i) for q, k and the log decays g [N, C, K]."""
+def decayed_scores(q, k, g, sub_block: int = DEFAULT_SUB_BLOCK, recompute: bool = True):
+    """Aqk [N, C, C] (j <= i) and the unweighted Akk [N, C, C] (j < i) for q, k and the log decays g [N, C, K]
+    (`recompute`: rematerialize the diagonal blocks' decay tensor in the backward instead of keeping it)."""
     n, C, K = g.shape
     c = min(sub_block, C)
     if C % c:
         raise ValueError(f"sub_block: expected a divisor of the chunk size {C}, got {sub_block}")
     nb = C // c
-    qk_diag, kk_diag = _diagonal_blocks(q.reshape(-1, c, K), k.reshape(-1, c, K), g.reshape(-1, c, K))
+    diagonal_blocks = _diagonal_blocks if recompute else _diagonal_block_scores
+    qk_diag, kk_diag = diagonal_blocks(q.reshape(-1, c, K), k.reshape(-1, c, K), g.reshape(-1, c, K))
     if nb == 1:
         return qk_diag, kk_diag
     blocked = (n, nb, c, K)
@@ -173,18 +178,19 @@ def unit_lower_inverse(A, block: int = INVERSE_BLOCK):
     return jnp.concatenate(inverse_rows, axis=1)
 
 
-def intra_chunk(q, k, v, g, beta, sub_block: int = DEFAULT_SUB_BLOCK) -> IntraChunk:
+def intra_chunk(q, k, v, g, beta, sub_block: int = DEFAULT_SUB_BLOCK, recompute: bool = True) -> IntraChunk:
     """The WY quantities of every chunk.
 
     Args:
       q, k, g: [N, C, K] (q already scaled, g the per-step log decay);
       v: [N, C, V]; beta: [N, C]. Padded steps must have k = v = g = beta = 0.
+      recompute: rematerialize the largest intermediate in the backward (see `decayed_scores`).
 
     Returns:
       `IntraChunk` (shapes in its docstring).
     """
     key_dim = g.shape[-1]
-    Aqk, Akk = decayed_scores(q, k, g, sub_block)
+    Aqk, Akk = decayed_scores(q, k, g, sub_block, recompute)
     prefix, suffix = prefix_and_suffix_sums(g)
     decay = jnp.exp(prefix)  # exp(G)
     rhs = beta[..., None] * jnp.concatenate([decay * k, v], axis=-1)  # [N, C, K + V]

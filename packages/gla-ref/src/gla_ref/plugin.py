@@ -1,8 +1,10 @@
 """Entry point of gla-ref in the `gla` plugin group: the `reference` implementation of every op.
 
 The reference implementations run the token-by-token recurrences of `gla_ref.recurrent`
-(priority 0: chosen only when asked for, or when nothing else accepts). They are plain
-JAX, so `jax.grad` differentiates them directly. `o` is returned in v's dtype and the final
+(priority 0: chosen only when asked for, or when nothing else accepts), and serve every option of
+the ops natively (`state_v_first`, the decode path with a state pool of `gla_ref.decode`, kda's
+intermediate states of `gla_ref.chunk_states`). They are plain JAX, so `jax.grad` differentiates
+them directly. `o` is returned in v's dtype and the final
 state in float32 (float64 when the computation is float64); kda_gate returns `output_dtype`.
 """
 
@@ -13,29 +15,67 @@ import dataclasses
 import jax.numpy as jnp
 
 from gla_core import Implementation, hookimpl
-from gla_ref import recurrent
+from gla_ref import chunk_states, decode, recurrent
 
 BACKENDS = frozenset({"cpu", "gpu", "tpu"})
 PACKAGE = "gla-ref"
 
 
-# Fields of the arguments record that the recurrences do not take.
-_NOT_RECURRENCE_ARGUMENTS = ("chunk_size", "interpret", "options", "output_dtype")
+# Fields of the arguments record that the recurrences do not take: implementation settings, the
+# host copy of cu_seqlens (already checked), FLA's memory/speed switch (nothing is recomputed here),
+# and the fields handled by `_attention` itself.
+_NOT_RECURRENCE_ARGUMENTS = (
+    "chunk_size",
+    "interpret",
+    "options",
+    "output_dtype",
+    "cu_seqlens_cpu",
+    "disable_recompute",
+    "return_intermediate_states",
+    "ssm_state_indices",
+    "num_accepted_tokens",
+    "inplace_final_state",
+)
 
 
 def _recurrence_arguments(args) -> dict:
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.name not in _NOT_RECURRENCE_ARGUMENTS}
 
 
-def _attention(recurrence):
+def _state_dtype(state):
+    """float32, or float64 when the state was computed in float64."""
+    return state.astype(jnp.promote_types(state.dtype, jnp.float32))
+
+
+def _attention(op, recurrence):
     """Dispatch adapter of an attention recurrence: `o` in v's dtype, the state in float32 (float64
-    if computed in float64); chunk_size and interpret are ignored."""
+    if computed in float64); chunk_size and interpret are ignored. Serves every option natively:
+    the state pool (`gla_ref.decode`), `state_v_first`, and kda's intermediate states (the state
+    entering every chunk, in q's dtype as FLA returns it)."""
 
     def run(args):
-        o, final_state = recurrence(**_recurrence_arguments(args))
-        if final_state is not None:
-            final_state = final_state.astype(jnp.promote_types(final_state.dtype, jnp.float32))
-        return o.astype(args.v.dtype), final_state
+        arguments = _recurrence_arguments(args)
+        if args.ssm_state_indices is not None:
+            del arguments["output_final_state"]
+            o, states = decode.decode(
+                op,
+                ssm_state_indices=args.ssm_state_indices,
+                num_accepted_tokens=args.num_accepted_tokens,
+                inplace_final_state=args.inplace_final_state,
+                **arguments,
+            )
+            return o.astype(args.v.dtype), states
+        if not getattr(args, "return_intermediate_states", False):
+            o, final_state = recurrence(**arguments)
+            return o.astype(args.v.dtype), None if final_state is None else _state_dtype(final_state)
+        o, final_state, states = recurrence(**arguments, token_states=True)
+        initial = args.initial_state
+        if initial is None:
+            num_states = states.shape[0] if args.cu_seqlens is None else args.cu_seqlens.shape[0] - 1
+            initial = jnp.zeros((num_states, *states.shape[2:]), states.dtype)
+        h = chunk_states.states_before_chunks(states, initial, args.chunk_size, args.cu_seqlens_cpu)
+        final_state = None if final_state is None else _state_dtype(final_state)
+        return o.astype(args.v.dtype), final_state, h.astype(args.q.dtype)
 
     return run
 
@@ -53,9 +93,9 @@ _DESCRIPTIONS = {
 }
 
 _FUNCTIONS = {
-    "simple_gla": _attention(recurrent.simple_gla),
-    "gla": _attention(recurrent.gla),
-    "kda": _attention(recurrent.kda),
+    "simple_gla": _attention("simple_gla", recurrent.simple_gla),
+    "gla": _attention("gla", recurrent.gla),
+    "kda": _attention("kda", recurrent.kda),
     "kda_gate": reference_kda_gate,
 }
 

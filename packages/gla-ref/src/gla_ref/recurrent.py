@@ -52,22 +52,24 @@ def _update(state, q_t, k_t, v_t, a_t, b_t, scale):
     return state, scale * jnp.sum(q_t[..., None] * state, axis=-2)
 
 
-def _batch_scan(q, k, v, log_decay, beta, h0, scale):
-    """Each batch row is one sequence. Inputs `[B, T, ...]`, h0 `[B, HV, K, V]`; returns `(o, final)`."""
+def _batch_scan(q, k, v, log_decay, beta, h0, scale, token_states: bool):
+    """Each batch row is one sequence. Inputs `[B, T, ...]`, h0 `[B, HV, K, V]`; returns `(o, final,
+    states)`, states `[B, T, HV, K, V]` after every token (None unless `token_states`)."""
     time_major = lambda x: None if x is None else jnp.moveaxis(x, 1, 0)
 
     def step(state, token):
-        return _update(state, *token, scale)
+        state, o_t = _update(state, *token, scale)
+        return state, (o_t, state if token_states else None)
 
-    final, o = jax.lax.scan(step, h0, tuple(time_major(x) for x in (q, k, v, log_decay, beta)))
-    return jnp.moveaxis(o, 0, 1), final
+    final, (o, states) = jax.lax.scan(step, h0, tuple(time_major(x) for x in (q, k, v, log_decay, beta)))
+    return jnp.moveaxis(o, 0, 1), final, time_major(states)
 
 
-def _packed_scan(q, k, v, log_decay, beta, h0, cu_seqlens, scale):
+def _packed_scan(q, k, v, log_decay, beta, h0, cu_seqlens, scale, token_states: bool):
     """Packed sequences `[T, ...]` (batch row 0), state reset to `h0[n] [N, HV, K, V]` at each start.
 
-    `cu_seqlens` may be traced. Returns `(o [T, HV, V], final [N, HV, K, V])`; a zero-length
-    sequence's final state is its `h0[n]`.
+    `cu_seqlens` may be traced. Returns `(o [T, HV, V], final [N, HV, K, V], states [T, HV, K, V]
+    after every token or None)`; a zero-length sequence's final state is its `h0[n]`.
     """
     seq_len = q.shape[0]
     steps = jnp.arange(seq_len, dtype=jnp.int32)
@@ -80,36 +82,50 @@ def _packed_scan(q, k, v, log_decay, beta, h0, cu_seqlens, scale):
         n, first, last, *inputs = token
         state, o_t = _update(jnp.where(first, h0[n], state), *inputs, scale)
         finals = finals.at[n].set(jnp.where(last, state, finals[n]))
-        return (state, finals), o_t
+        return (state, finals), (o_t, state if token_states else None)
 
     init = (jnp.zeros(h0.shape[1:], h0.dtype), h0)
-    (_, finals), o = jax.lax.scan(step, init, (sequence, is_first, is_last, q, k, v, log_decay, beta))
-    return o, finals
+    (_, finals), (o, states) = jax.lax.scan(step, init, (sequence, is_first, is_last, q, k, v, log_decay, beta))
+    return o, finals, states
 
 
-def _recurrence(q, k, v, log_decay, beta, *, scale, initial_state, output_final_state, cu_seqlens):
+def _to_k_first(state, state_v_first: bool):
+    """[..., V, K] -> [..., K, V] when `state_v_first` (its own inverse)."""
+    return jnp.swapaxes(state, -1, -2) if state_v_first and state is not None else state
+
+
+def _recurrence(
+    q, k, v, log_decay, beta, *, scale, initial_state, output_final_state, cu_seqlens, state_v_first=False,
+    token_states=False,
+):  # fmt: skip
     """Runs the recurrence per batch row, or over the packed varlen stream.
 
     q, k: `[B, T, HV, K]` (heads already expanded); v: `[B, T, HV, V]`; log_decay:
-    `[B, T, HV, K or 1]`; beta: `[B, T, HV]` or None; all in one dtype.
+    `[B, T, HV, K or 1]`; beta: `[B, T, HV]` or None; all in one dtype. With `state_v_first` the
+    states (initial, final, per token) are `[..., V, K]`. Returns `(o, final or None)`, and the state
+    after every token `[B, T, HV, K, V]` as a third result when `token_states`.
     """
     if cu_seqlens is not None:
         cu_seqlens = jnp.asarray(cu_seqlens).astype(jnp.int32)
-    o, final = _recurrence_jit(
+    o, final, states = _recurrence_jit(
         q,
         k,
         v,
         log_decay,
         beta,
         scale=None if scale is None else float(scale),
-        initial_state=initial_state,
+        initial_state=_to_k_first(initial_state, state_v_first),
         cu_seqlens=cu_seqlens,
+        token_states=token_states,
     )
-    return o, (final if output_final_state else None)
+    final = _to_k_first(final, state_v_first) if output_final_state else None
+    if token_states:
+        return o, final, _to_k_first(states, state_v_first)
+    return o, final
 
 
-@functools.partial(jax.jit, static_argnames=("scale",))
-def _recurrence_jit(q, k, v, log_decay, beta, *, scale, initial_state, cu_seqlens):
+@functools.partial(jax.jit, static_argnames=("scale", "token_states"))
+def _recurrence_jit(q, k, v, log_decay, beta, *, scale, initial_state, cu_seqlens, token_states):
     batch, _, num_value_heads, key_dim = q.shape
     value_dim = v.shape[-1]
     scale = key_dim**-0.5 if scale is None else scale
@@ -129,10 +145,12 @@ def _recurrence_jit(q, k, v, log_decay, beta, *, scale, initial_state, cu_seqlen
             raise ShapeError(f"initial_state: expected shape [N, HV, K, V] = {state_shape}, got {initial_state.shape}")
         h0 = initial_state.astype(q.dtype)
     if cu_seqlens is None:
-        return _batch_scan(q, k, v, log_decay, beta, h0, scale)
+        return _batch_scan(q, k, v, log_decay, beta, h0, scale, token_states)
     first_row = lambda x: None if x is None else x[0]
-    o, final = _packed_scan(*(first_row(x) for x in (q, k, v, log_decay, beta)), h0, cu_seqlens, scale)
-    return o[None], final
+    o, final, states = _packed_scan(
+        *(first_row(x) for x in (q, k, v, log_decay, beta)), h0, cu_seqlens, scale, token_states
+    )
+    return o[None], final, None if states is None else states[None]
 
 
 def simple_gla(
@@ -146,6 +164,8 @@ def simple_gla(
     output_final_state=False,
     cu_seqlens=None,
     chunk_size=None,
+    state_v_first=False,
+    token_states=False,
 ):
     """Gated linear attention with one scalar log decay per head and step.
 
@@ -159,9 +179,12 @@ def simple_gla(
       output_final_state: return the final states.
       cu_seqlens: optional int32 `[N+1]` boundaries of packed sequences (B == 1).
       chunk_size: ignored.
+      state_v_first: the states (initial, final, per token) are `[..., V, K]` instead of `[..., K, V]`.
+      token_states: also return the state after every token, `[B, T, H, K, V]`.
 
     Returns:
-      `(o [B, T, H, V], final_state [N, H, K, V] or None)` in the computation dtype.
+      `(o [B, T, H, V], final_state [N, H, K, V] or None)` in the computation dtype, and the
+      per-token states as a third result when `token_states`.
     """
     dtype = gates.compute_dtype(q, k, v, g, g_gamma, initial_state)
     q, k, v = (x.astype(dtype) for x in (q, k, v))
@@ -180,18 +203,25 @@ def simple_gla(
         initial_state=initial_state,
         output_final_state=output_final_state,
         cu_seqlens=cu_seqlens,
+        state_v_first=state_v_first,
+        token_states=token_states,
     )
 
 
-def gla(q, k, v, gk, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, chunk_size=None):
+def gla(
+    q, k, v, gk, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, chunk_size=None,
+    state_v_first=False, token_states=False,
+):  # fmt: skip
     """Gated linear attention with a per-key log decay.
 
     Args:
       q, k: `[B, T, H, K]`; v: `[B, T, H, V]`; gk: log decay `[B, T, H, K]`.
-      scale, initial_state `[N, H, K, V]`, output_final_state, cu_seqlens, chunk_size: as `simple_gla`.
+      scale, initial_state `[N, H, K, V]`, output_final_state, cu_seqlens, chunk_size, state_v_first,
+      token_states: as `simple_gla`.
 
     Returns:
-      `(o [B, T, H, V], final_state [N, H, K, V] or None)` in the computation dtype.
+      `(o [B, T, H, V], final_state [N, H, K, V] or None)` in the computation dtype (and the
+      per-token states when `token_states`).
     """
     if gk is None:
         raise InvalidArgumentError("gk: required for gla (per-key log decay [B, T, H, K])")
@@ -206,6 +236,8 @@ def gla(q, k, v, gk, scale=None, initial_state=None, output_final_state=False, c
         initial_state=initial_state,
         output_final_state=output_final_state,
         cu_seqlens=cu_seqlens,
+        state_v_first=state_v_first,
+        token_states=token_states,
     )
 
 
@@ -220,6 +252,8 @@ def kda(
     output_final_state=False,
     cu_seqlens=None,
     chunk_size=None,
+    state_v_first=False,
+    token_states=False,
     **kda_options,
 ):
     """Kimi Delta Attention: per-key decay, then a delta-rule correction of strength beta.
@@ -229,15 +263,18 @@ def kda(
         q/k head j // (HV // H)).
       g: per-key log decay `[B, T, HV, K]`, or the raw gate input when `use_gate_in_kernel`.
       beta: `[B, T, HV]` write strength, or its logits when `use_beta_sigmoid_in_kernel`.
-      scale, initial_state `[N, HV, K, V]`, output_final_state, cu_seqlens, chunk_size: as `simple_gla`.
+      scale, initial_state `[N, HV, K, V]`, output_final_state, cu_seqlens, chunk_size, state_v_first,
+      token_states: as `simple_gla`.
       **kda_options: FLA's in-kernel transforms, by keyword (`gates.prepare_kda` holds them):
         use_qk_l2norm_in_kernel (normalize q and k rows, `gates.l2norm`), use_gate_in_kernel (the
-        decay is `gates.kda_gate(g, A_log, dt_bias, lower_bound)`), A_log `[HV]`, dt_bias
-        `[HV * K]` (optional), lower_bound (gate parameters), use_beta_sigmoid_in_kernel (beta is
-        `sigmoid(beta)`).
+        decay is `gates.kda_gate(g, A_log, dt_bias, lower_bound)`), A_log `[HV]` or `[1, 1, HV, 1]`
+        (None with a lower_bound), dt_bias `[HV * K]` (optional), lower_bound (gate parameters),
+        use_beta_sigmoid_in_kernel (beta is `sigmoid(beta)`), allow_neg_eigval (beta is
+        `2 sigmoid(beta)`), safe_gate (a kernel choice in FLA; no effect here).
 
     Returns:
-      `(o [B, T, HV, V], final_state [N, HV, K, V] or None)` in the computation dtype.
+      `(o [B, T, HV, V], final_state [N, HV, K, V] or None)` in the computation dtype (and the
+      per-token states `[B, T, HV, K, V]` when `token_states`).
     """
     q, k, v, log_decay, beta = gates.prepare_kda(
         q,
@@ -245,7 +282,7 @@ def kda(
         v,
         g,
         beta,
-        initial_state=initial_state,
+        initial_state=_to_k_first(initial_state, state_v_first),
         **kda_options,
     )
     return _recurrence(
@@ -258,4 +295,6 @@ def kda(
         initial_state=initial_state,
         output_final_state=output_final_state,
         cu_seqlens=cu_seqlens,
+        state_v_first=state_v_first,
+        token_states=token_states,
     )

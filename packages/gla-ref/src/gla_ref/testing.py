@@ -324,6 +324,7 @@ def make_case(
     dt_bias: bool = True,
     lower_bound: float | None = None,
     use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
 ) -> Case:
     """A realistic random problem for `op`.
 
@@ -333,7 +334,9 @@ def make_case(
       Log decays g / gk (and kda's g): `gate_scale * log_sigmoid(x)`, x ~ N(2, 2) clipped at -5,
         so in about [-5 gate_scale, 0); g_gamma: `gate_scale * alibi_g_gamma(H)` (float32).
       kda beta: sigmoid(N(0, 1.5)) in (0, 1), or the raw logits N(0, 1.5) when
-        `use_beta_sigmoid_in_kernel`.
+        `use_beta_sigmoid_in_kernel` (with `allow_neg_eigval` the op makes them 2 sigmoid, in (0, 2)).
+      kda with a `lower_bound` but no in-kernel gate (FLA's safe-gate calls): g is clipped to
+        [lower_bound, 0], the bound the call states.
       In-kernel kda gate (`use_gate_in_kernel`, and the kda_gate op): raw g ~ N(0, 1),
         A_log ~ U(-1, 0.5) + log(gate_scale) (float32 [HV]), dt_bias ~ N(-1, 0.5) (float32
         [HV*K], present when `dt_bias`), so typical decays are about -0.5 per step.
@@ -399,9 +402,11 @@ def make_case(
                 inputs["dt_bias"] = f32(rng.normal(-1.0, 0.5, size=heads_v * key_dim))
             flags.append("gate_in_kernel" + ("+dt_bias" if dt_bias else "") + _bound_label(lower_bound))
         else:
-            if lower_bound is not None:
-                raise ValueError("lower_bound: only used with use_gate_in_kernel=True")
-            inputs["g"] = cast(_decays(rng, gate_shape, gate_scale))
+            decays = _decays(rng, gate_shape, gate_scale)
+            if lower_bound is not None:  # the bound of a precomputed gate (FLA's safe-gate calls)
+                decays = np.clip(decays, lower_bound, 0.0)
+                flags.append(f"g>={lower_bound}")
+            inputs["g"] = cast(decays)
         logits = rng.normal(0.0, 1.5, size=(batch, seq_len, heads_v))
         inputs["beta"] = cast(logits if use_beta_sigmoid_in_kernel else 1.0 / (1.0 + np.exp(-logits)))
         options.update(
@@ -410,7 +415,10 @@ def make_case(
             use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
             lower_bound=lower_bound,
         )
+        if allow_neg_eigval:
+            options["allow_neg_eigval"] = True
         flags += ["l2norm"] * use_qk_l2norm_in_kernel + ["beta_sigmoid"] * use_beta_sigmoid_in_kernel
+        flags += ["neg_eigval"] * allow_neg_eigval
 
     num_states = batch if cu_seqlens is None else len(cu_seqlens) - 1
     if initial_state:

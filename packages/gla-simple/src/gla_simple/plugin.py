@@ -5,9 +5,9 @@ registering a new one is one more entry in `_MODULES`.
 """
 
 from gla_core import hookimpl
-from gla_simple import chunk, recurrent, xla
+from gla_simple import chunk, decode, recurrent, xla
 
-_MODULES = (xla, recurrent, chunk)
+_MODULES = (xla, recurrent, chunk, decode)
 
 
 @hookimpl
