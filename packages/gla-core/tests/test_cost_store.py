@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from gla_core import cost_store
 from gla_core.cost import CostRow, production_problems, render_markdown
+from gla_core.cost_decode import DecodeRow, merge_decode
 from gla_core.cycles import CycleFit
+from gla_core.static_profile import HBM_BANDWIDTH
 from gla_core.tpu_checks import CompileReport, KernelReport
 
 
@@ -47,3 +49,27 @@ def test_partial_run_replaces_only_the_measured_op_and_chip():
 
 def test_missing_store_is_empty(tmp_path):
     assert cost_store.load_rows(tmp_path / "absent.json") == []
+
+
+def _decode_row(op: str, cycles: int) -> DecodeRow:
+    return DecodeRow(op, f"{op} decode", "v6e", {"gla_decode": cycles}, 1.863e9, 330 * 2**20, 2**20, 0)
+
+
+def test_decode_rows_round_trip_and_render_against_their_floor(tmp_path):
+    rows = [_decode_row("simple_gla", 600_000), _decode_row("kda", 800_000)]
+    path = tmp_path / "report.json"
+    cost_store.save_rows([], path, rows)
+    assert cost_store.load_decode_rows(path) == rows
+    assert cost_store.load_rows(path) == []
+    table = [line for line in render_markdown([], rows).splitlines() if line.startswith("| kda ")]
+    seconds, floor = 800_000 / 1.863e9, 330 * 2**20 / HBM_BANDWIDTH["v6e"]
+    assert table == [
+        f"| kda | v6e | gla_decode 800,000 | {seconds * 1e6:.0f} us | {floor * 1e6:.0f} us | {seconds / floor:.2f} "
+        "| 1.0 | 0.0 |"
+    ]
+
+
+def test_partial_decode_run_replaces_only_its_ops():
+    kept = [_decode_row("simple_gla", 1), _decode_row("gla", 2), _decode_row("kda", 3)]
+    merged = merge_decode(kept, [_decode_row("gla", 4)])
+    assert [(row.op, row.kernel_cycles["gla_decode"]) for row in merged] == [("simple_gla", 1), ("gla", 4), ("kda", 3)]

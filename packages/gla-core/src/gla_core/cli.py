@@ -137,21 +137,27 @@ def command_cost(args: argparse.Namespace) -> int:
     """Compiles every TPU implementation for compile-only TPU devices and writes the cost report."""
     from gla_core import cost_store
     from gla_core.cost import CHIPS, measure, production_problems, render_markdown
+    from gla_core.cost_decode import DECODE_OPS, measure_decode, merge_decode
     from gla_core.progress import progress
 
     _require("libtpu", "gla cost (compile-only TPU devices)", "pip install 'gla-core[tpu]' (or run nox -s cost)")
     everything = production_problems()
     problems = [p for p in everything if not args.op or p.op in args.op]
-    rows = measure(problems, chips=tuple(args.chip or CHIPS), progress=progress, cycles=args.cycles)
+    chips = tuple(args.chip or CHIPS)
+    rows = [] if args.decode_only else measure(problems, chips=chips, progress=progress, cycles=args.cycles)
+    decode_ops = [op for op in DECODE_OPS if not args.op or op in args.op]
+    profile_decode = (args.cycles or args.decode_only) and "v6e" in chips
+    decode_rows = measure_decode(decode_ops, chip="v6e") if profile_decode else []
     if not args.output:
-        print(render_markdown(rows))
+        print(render_markdown(rows, decode_rows))
         return 0
     store = cost_store.json_path(args.output)
-    if args.op or args.chip:  # a partial run keeps the other rows of the last report
+    if args.op or args.chip or args.decode_only or not args.cycles:  # keep the rows not re-measured
         rows = cost_store.merge_rows(cost_store.load_rows(store), rows, everything)
-    cost_store.save_rows(rows, store)
+        decode_rows = merge_decode(cost_store.load_decode_rows(store), decode_rows)
+    cost_store.save_rows(rows, store, decode_rows)
     with open(args.output, "w") as stream:
-        stream.write(render_markdown(rows) + "\n")
+        stream.write(render_markdown(rows, decode_rows) + "\n")
     print(f"report written to {args.output} (rows in {store})")
     return 0
 
@@ -210,7 +216,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cost.add_argument("--chip", action="append", choices=("v5e", "v6e"), help="only this chip (repeatable)")
     cost.add_argument("--output", metavar="FILE.md", help="write the markdown report here (its rows go to FILE.json)")
-    cost.add_argument("--cycles", action="store_true", help="also fit libtpu static cycle estimates (v6e, slow)")
+    cost.add_argument(
+        "--cycles",
+        action="store_true",
+        help="also fit libtpu static cycle estimates and profile the serving decode steps (v6e, slow)",
+    )
+    cost.add_argument(
+        "--decode-only",
+        action="store_true",
+        help="profile only the serving decode steps (v6e static estimate); keep every other row",
+    )
     cost.set_defaults(run=command_cost)
     return parser
 

@@ -212,8 +212,11 @@ def _giga(n: int | None) -> str:
     return "-" if n is None else f"{n / 1e9:.2f}"
 
 
-def render_markdown(rows: Sequence[CostRow]) -> str:
-    """The report: per problem, the HBM floor, then per implementation and chip the compiler's numbers."""
+def render_markdown(rows: Sequence[CostRow], decode_rows: Sequence = ()) -> str:
+    """The report: per problem, the HBM floor, then per implementation and chip the compiler's numbers;
+    then the serving decode steps (`gla_core.cost_decode.DecodeRow`s)."""
+    from gla_core.cost_decode import render_decode
+
     lines = [
         "# TPU cost report (compiler estimates, not measurements)",
         "",
@@ -284,6 +287,7 @@ def render_markdown(rows: Sequence[CostRow]) -> str:
                         f"{fit.at(spec['seq_len'], programs) / 1e6:.2f} M | {points} |"
                     )
         lines.append("")
+    lines += render_decode(decode_rows)
     return "\n".join(lines)
 
 
@@ -293,8 +297,15 @@ def build_program(spec: dict):
     `{"program": "matmul", "size": N}`: an N^3 bfloat16 matmul (the clock calibration);
     `{"program": "attention", "op", "batch", "seq_len", "heads", "gate", "impl", "stage"}`: the
     forward (`stage` "fwd") or the training step ("train") of `attention_problem(...)` with `impl`
-    (None: the default implementation on TPU) and `impl_options` if given.
+    (None: the default implementation on TPU) and `impl_options` if given;
+    `{"program": "decode", "op"}`: the serving decode step of `gla_core.decode.serving.serving_problem(op)`
+    (its pool is argument `spec["donate_argnums"]`, see `gla_core.cost_decode`).
     """
+    if spec["program"] == "decode":
+        from gla_core.decode.serving import serving_problem
+
+        problem = serving_problem(spec["op"])
+        return problem.fn, list(problem.structs)
     if spec["program"] == "matmul":
         n = spec["size"]
         matrix = _struct(n, n)

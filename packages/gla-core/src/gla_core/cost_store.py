@@ -3,6 +3,7 @@
 `gla cost --output docs/perf/tpu-cost.md` also writes `docs/perf/tpu-cost.json`. A later run
 restricted with `--op`/`--chip` replaces only the rows it measured and renders the report from
 all rows, so the markdown always describes every op. A run without `--op` replaces everything.
+The serving decode rows (`gla_core.cost_decode`) are kept beside them under "decode".
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import pathlib
 from collections.abc import Sequence
 
 from gla_core.cost import CostRow, attention_problem
+from gla_core.cost_decode import DecodeRow
 from gla_core.cycles import CycleFit
 from gla_core.tpu_checks import CompileReport, KernelReport
 
@@ -71,10 +73,21 @@ def row_from_dict(data: dict, problems: dict) -> CostRow:
     )
 
 
-def save_rows(rows: Sequence[CostRow], path: str | pathlib.Path) -> None:
-    """Writes the rows as JSON."""
-    document = {"format": FORMAT_VERSION, "rows": [row_to_dict(row) for row in rows]}
+def save_rows(rows: Sequence[CostRow], path: str | pathlib.Path, decode_rows: Sequence[DecodeRow] = ()) -> None:
+    """Writes the rows (and the decode rows) as JSON."""
+    document = {
+        "format": FORMAT_VERSION,
+        "rows": [row_to_dict(row) for row in rows],
+        "decode": [dataclasses.asdict(row) for row in decode_rows],
+    }
     pathlib.Path(path).write_text(json.dumps(document, indent=1) + "\n")
+
+
+def _document(path: pathlib.Path) -> dict:
+    document = json.loads(path.read_text())
+    if document.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{path}: expected cost rows of format {FORMAT_VERSION}, got {document.get('format')!r}")
+    return document
 
 
 def load_rows(path: str | pathlib.Path) -> list[CostRow]:
@@ -82,11 +95,16 @@ def load_rows(path: str | pathlib.Path) -> list[CostRow]:
     path = pathlib.Path(path)
     if not path.exists():
         return []
-    document = json.loads(path.read_text())
-    if document.get("format") != FORMAT_VERSION:
-        raise ValueError(f"{path}: expected cost rows of format {FORMAT_VERSION}, got {document.get('format')!r}")
     problems: dict = {}
-    return [row_from_dict(data, problems) for data in document["rows"]]
+    return [row_from_dict(data, problems) for data in _document(path)["rows"]]
+
+
+def load_decode_rows(path: str | pathlib.Path) -> list[DecodeRow]:
+    """The decode rows saved at `path`; an empty list when there is no file or none was saved."""
+    path = pathlib.Path(path)
+    if not path.exists():
+        return []
+    return [DecodeRow(**data) for data in _document(path).get("decode", [])]
 
 
 def merge_rows(kept: Sequence[CostRow], measured: Sequence[CostRow], order: Sequence) -> list[CostRow]:

@@ -278,13 +278,15 @@ def _compile_worker(spec: dict, result_path: str) -> None:
     from gla_core.cost import build_program
     from gla_core.tpu_checks import compile_only_device
 
-    fn, structs = _kernel_program(spec) if "kernel" in spec else build_program(spec)
+    alone = "kernel" in spec
+    fn, structs = _kernel_program(spec) if alone else build_program(spec)
+    donate = () if alone else tuple(spec.get("donate_argnums", ()))  # e.g. a decode step's state pool
     sharding = jax.sharding.SingleDeviceSharding(compile_only_device(spec["chip"]))
     placed = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in structs]
     from gla_core.overrides import use
 
     with use(backend="tpu", interpret=False):
-        compiled = jax.jit(fn).lower(*placed).compile()
+        compiled = jax.jit(fn, donate_argnums=donate).lower(*placed).compile()
     memory = compiled.memory_analysis()
     out = {
         "hlo": compiled.as_text(),
