@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import importlib.util
 
 import jax
@@ -20,15 +21,56 @@ def pytest_collection_modifyitems(config, items):
 
 
 MARGIN_REPORT_ROWS = 10
+# Errors measured by pytest-xdist workers, sent to the controlling process when each worker ends.
+WORKER_ERRORS_KEY = "gla_measured_errors"
+_WORKER_ERRORS: list[tuple[str, str, float, float]] = []
+# The fuzzer's examples per test from the workers (tests/fuzz/conftest.py, WORKER_COUNTS_KEY there).
+WORKER_FUZZ_KEY = "gla_fuzz_counts"
+_WORKER_FUZZ: dict = {}
 
 
-def pytest_terminal_summary(terminalreporter):
-    """The measured errors that came closest to their bounds (gla_ref.testing records every check)."""
+def _measured_errors() -> list[tuple[str, str, float, float]]:
     try:
         from gla_ref.testing import measured_errors
     except ImportError:  # a package's tests without gla-ref installed
+        return []
+    return measured_errors()
+
+
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)  # set in a pytest-xdist worker
+    if workeroutput is not None:
+        workeroutput[WORKER_ERRORS_KEY] = [list(row) for row in _measured_errors()]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """pytest-xdist: a worker ended; keep its measured errors and fuzz counts for the summaries."""
+    output = getattr(node, "workeroutput", {})
+    _WORKER_ERRORS.extend(tuple(row) for row in output.get(WORKER_ERRORS_KEY, ()))
+    fuzz = output.get(WORKER_FUZZ_KEY)
+    if fuzz:
+        _WORKER_FUZZ.setdefault("title", fuzz["title"])
+        _WORKER_FUZZ.setdefault("replay", fuzz["replay"])
+        for kind in ("executed", "declined"):
+            _WORKER_FUZZ.setdefault(kind, collections.Counter()).update(fuzz[kind])
+
+
+def _print_worker_fuzz_counts(terminalreporter) -> None:
+    if not _WORKER_FUZZ:
         return
-    measured = measured_errors()
+    executed, declined = _WORKER_FUZZ["executed"], _WORKER_FUZZ["declined"]
+    terminalreporter.section(_WORKER_FUZZ["title"])
+    for test_id in sorted(executed.keys() | declined.keys()):
+        terminalreporter.write_line(f"{executed[test_id]:6d} ({declined[test_id]:5d})  {test_id}")
+    terminalreporter.write_line(_WORKER_FUZZ["replay"])
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The measured errors that came closest to their bounds (gla_ref.testing records every check),
+    over this process and every pytest-xdist worker (and the workers' fuzz counts)."""
+    _print_worker_fuzz_counts(terminalreporter)
+    measured = _measured_errors() + _WORKER_ERRORS
     if not measured:
         return
     tightest = sorted(measured, key=lambda row: row[2] / row[3], reverse=True)[:MARGIN_REPORT_ROWS]

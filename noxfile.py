@@ -51,7 +51,11 @@ TEST_DEPENDENCIES = {
     package: tuple(sorted({*workspace_dependencies(package), "gla-ref"}, key=PACKAGES.index)) for package in PACKAGES
 }
 # nox too: tests/test_packaging.py reads this file's dependency sets.
-TEST_TOOLS = ("pytest>=8", "hypothesis>=6.100", "pytest-benchmark>=4", "nox")
+# pytest-xdist: the test sessions run on every core (the tests are single-threaded: interpret mode
+# and XLA:CPU compiles), each worker still running many shapes in one process.
+TEST_TOOLS = ("pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "pytest-benchmark>=4", "nox")
+# One pytest-xdist worker per core, at most 4 (memory: the largest tests take a few GB each).
+PARALLEL = ("--numprocesses=auto", "--maxprocesses=4")
 
 
 def install_packages(session: nox.Session, packages=PACKAGES, jax_requirement: str = JAX) -> None:
@@ -64,7 +68,7 @@ def install_packages(session: nox.Session, packages=PACKAGES, jax_requirement: s
 def tests(session: nox.Session) -> None:
     """All tests that run on this host (TPU-compile and TPU-host layers are skipped off their hosts)."""
     install_packages(session)
-    session.run("pytest", *session.posargs)
+    session.run("pytest", *PARALLEL, *session.posargs)
 
 
 for _package in PACKAGES:
@@ -72,7 +76,7 @@ for _package in PACKAGES:
     def _one_package(session: nox.Session, package: str = _package) -> None:
         """Installs only the package and what its tests need, then runs its tests."""
         install_packages(session, TEST_DEPENDENCIES[package])
-        session.run("pytest", f"packages/{package}/tests", *session.posargs)
+        session.run("pytest", *PARALLEL, f"packages/{package}/tests", *session.posargs)
 
     _one_package.__doc__ = f"The tests of {_package} only."
     nox.session(python=PYTHON, name=f"tests-{_package}")(_one_package)
