@@ -36,12 +36,11 @@ from gla_core.kit import (
     TN,
     HeadRows,
     chunk_cumsum,
-    compiler_params,
     cost_estimate,
     dot,
     interpret_params,
 )
-from gla_fused.fused_chunk.forward import ChunkDecays, ForwardGeometry, block_bytes
+from gla_fused.fused_chunk.forward import ChunkDecays, ForwardGeometry, block_bytes, sequential_in_time_params
 
 F32 = jnp.float32
 
@@ -214,7 +213,7 @@ def fused_chunk_bwd(q, k, v, do, gate, states, dht, *, geo: BackwardGeometry):
                 pltpu.VMEM((h_count, 1, tb), F32),
                 pltpu.VMEM((h_count, 1, tb), F32),
             ],
-            compiler_params=compiler_params("parallel", "arbitrary", vmem_limit_bytes=vmem + (8 << 20)),
+            compiler_params=sequential_in_time_params(vmem),
             interpret=interpret_params(fwd.interpret),
             cost_estimate=cost,
             name="fused_chunk_bwd",

@@ -115,6 +115,16 @@ class ChunkDecays:
         return jnp.exp(self.hi[:, -1:] + self.lo[:, -1:])
 
 
+# Above the counted blocks and scratch: Mosaic's own internal scratch and the kernel's temporaries.
+VMEM_HEADROOM_BYTES = 8 << 20
+
+
+def sequential_in_time_params(vmem_bytes: int):
+    """Compiler parameters of a fused_chunk kernel: batch rows in parallel, token blocks in order (the
+    state is carried in VMEM), and a scoped VMEM limit of the counted `vmem_bytes` plus headroom."""
+    return compiler_params("parallel", "arbitrary", vmem_limit_bytes=vmem_bytes + VMEM_HEADROOM_BYTES)
+
+
 def block_bytes(specs, arrays) -> int:
     """Bytes of one block of every array (BlockSpecs and arrays or shape structs, in order)."""
     return sum(math.prod(spec.block_shape) * jnp.dtype(x.dtype).itemsize for spec, x in zip(specs, arrays, strict=True))
@@ -261,7 +271,7 @@ def fused_chunk_fwd(q, k, v, gate, h0, *, geo: ForwardGeometry):
                 pltpu.VMEM((h_count, 1, tb), F32),
                 pltpu.VMEM((h_count, 1, tb), F32),
             ],
-            compiler_params=compiler_params("parallel", "arbitrary", vmem_limit_bytes=vmem + (8 << 20)),
+            compiler_params=sequential_in_time_params(vmem),
             interpret=interpret_params(geo.interpret),
             cost_estimate=cost,
             name="fused_chunk_fwd",
