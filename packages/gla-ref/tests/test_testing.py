@@ -342,3 +342,47 @@ def test_check_against_oracle_takes_explicit_tolerance():
     with pytest.raises(AssertionError, match=r"tol 1\.0e-12"):
         check_against_oracle(recurrent.gla, case, tolerance=testing.Tolerance(1e-12, 1e-12, "too tight"))
     assert set(errors) == {"o", "dq", "dk", "dv", "dgk"}
+
+
+def _cancelling_case() -> testing.Case:
+    """simple_gla, one head, K = V = 1, no decay: o_1 = q_1 (k_0 v_0 + k_1 v_1) = 1 - 1 + 2^-6, a sum
+    of two terms of size 1 that almost cancel (every value is exact in bfloat16)."""
+    column = lambda *values: jnp.asarray(values, jnp.bfloat16).reshape(1, len(values), 1, 1)
+    inputs = {"q": column(0.0, 1.0), "k": column(1.0, 1.0), "v": column(1.0, -1.0 + 2.0**-6)}
+    return testing.Case("simple_gla", inputs, {"scale": 1.0}, ("q", "k", "v"), "cancelling K=V=1")
+
+
+def test_rounding_sensitivity_tells_cancellation_from_ordinary_tensors():
+    unit = testing.UNIT_ROUNDOFF["bfloat16"]
+    ordinary = make_case("simple_gla", seq_len=32, key_dim=16, value_dim=16, dtype=jnp.bfloat16, initial_state=True)
+    reference = testing.oracle(ordinary)
+    sensitivity = testing.rounding_sensitivity(ordinary, reference)
+    for name, value in {**reference.outputs, **reference.grads}.items():
+        assert 0 < sensitivity[name] < 10 * unit * np.abs(value).max(), name
+    cancelling = _cancelling_case()
+    o = testing.oracle(cancelling).outputs["o"]
+    assert np.abs(o).max() == 2.0**-6
+    assert testing.rounding_sensitivity(cancelling)["o"] > 30 * unit * 2.0**-6
+
+
+def _rounding_again(**kwargs):
+    """The recurrence with k changed by bfloat16's unit roundoff, up at even steps and down at odd ones
+    (as a bf16 kernel rounding its operands once more would)."""
+    unit = testing.UNIT_ROUNDOFF["bfloat16"]
+    steps = kwargs["k"].shape[1]
+    factors = np.where(np.arange(steps) % 2 == 0, 1 + unit, 1 - unit).reshape(1, steps, 1, 1).astype(np.float32)
+    return recurrent.simple_gla(**{**kwargs, "k": kwargs["k"].astype(jnp.float32) * factors})
+
+
+def _drops_the_last_value(**kwargs):
+    """A wrong recurrence: the last step's value is lost (o_1 = 1 instead of 2^-6)."""
+    return recurrent.simple_gla(**{**kwargs, "v": kwargs["v"].at[:, -1].set(0)})
+
+
+def test_cancellation_lifts_the_bound_to_the_sensitivity_and_no_further():
+    case = _cancelling_case()
+    errors = compare_with_oracle(_rounding_again, case)
+    assert errors["o"] > testing.TOLERANCES["bfloat16"].output  # beyond the plain bound of max|ref| ...
+    check_against_oracle(_rounding_again, case)  # ... but as close as one more rounding allows
+    with pytest.raises(AssertionError, match="o: relative error"):
+        check_against_oracle(_drops_the_last_value, case)

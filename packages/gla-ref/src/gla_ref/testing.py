@@ -13,7 +13,9 @@ precision mode (float32/bf16 normally). Both get the same seeded cotangents, so 
 are compared as vector-Jacobian products for every input in `case.differentiable`.
 
 Errors are relative to the largest reference magnitude of each tensor:
-`max|x - ref| / max|ref|`, computed in float64.
+`max|x - ref| / max|ref|`, computed in float64. A tensor computed by cancellation (large terms summing
+to a small result) is held to `kappa S` instead when that is larger, S being how far one rounding of
+the inputs at the case's precision moves it (`rounding_sensitivity`, `Tolerance.sensitivity_factor`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import collections
 import dataclasses
 import itertools
 import re
+import zlib
 from typing import Any
 
 import jax
@@ -40,11 +43,17 @@ OPS = (*ATTENTION_OPS, "kda_gate")
 
 @dataclasses.dataclass(frozen=True)
 class Tolerance:
-    """Largest accepted relative error for outputs and for gradients, and why."""
+    """Largest accepted relative error for outputs and for gradients, and why.
+
+    `sensitivity_factor` (kappa) lifts the bound of a tensor computed by cancellation: a tensor
+    passes when `max|x - ref| <= max(bound max|ref|, kappa S)`, S its `rounding_sensitivity` (how far
+    one rounding of the inputs moves it). 0 keeps the plain relative bound.
+    """
 
     output: float
     grad: float
     reason: str
+    sensitivity_factor: float = 0.0
 
 
 TOLERANCES: dict[str, Tolerance] = {
@@ -56,8 +65,10 @@ TOLERANCES: dict[str, Tolerance] = {
             "float32 keeps 24 significand bits (unit roundoff 6e-8); chunked kernels sum up to a few hundred "
             "products per element, so errors of ~1e-6 of max|ref| are expected for outputs (measured: <= 1e-6 "
             "on every case). Gradients go through two such products and sums over the whole sequence, hence "
-            "10x looser (measured: <= 1e-5, the worst d g_gamma under strong decay)."
+            "10x looser (measured: <= 1e-5, the worst d g_gamma under strong decay). Tensors computed by "
+            "cancellation get the bfloat16 rule below (kappa S), with float32's unit roundoff."
         ),
+        sensitivity_factor=5.0,
     ),
     "bfloat16": Tolerance(
         output=2e-2,
@@ -67,8 +78,16 @@ TOLERANCES: dict[str, Tolerance] = {
             "for the oracle, but the output is stored in bf16 (up to 2e-3 of max|ref| by itself) and kernels "
             "feed bf16 operands to the matrix unit (q.k, attention.v, decay-scaled k), each a relative 2^-9 "
             "perturbation summed over up to chunk_size terms. Gradients chain two such products and their "
-            "sums over T and are stored in bf16 too, hence the looser gradient bound."
+            "sums over T and are stored in bf16 too, hence the looser gradient bound. A tensor whose "
+            "elements are sums of large terms that cancel (tiny K or V, a few elements) can be off by more "
+            "than that relative to its own max|ref| in any computation rounding to bf16: one rounding of the "
+            "inputs already moves it by its sensitivity S, and a kernel rounds operands at several stages "
+            "after that (decay-scaled keys, bf16 states between chunks, the delta and state-gradient "
+            "operands). Measured up to 1.9 S over 460 tensors of 70 fuzzed bf16 cases of the Pallas kernels "
+            "(kda dq at T=1 K=1: 0.16 of max|ref| = 1.3 S; kda d initial_state at K=V=1: 0.14 = 1.8 S); "
+            "kappa = 5 leaves 2.6x room."
         ),
+        sensitivity_factor=5.0,
     ),
     "float64": Tolerance(
         output=1e-12,
@@ -76,8 +95,9 @@ TOLERANCES: dict[str, Tolerance] = {
         reason=(
             "an implementation computing in float64 (jax_enable_x64 on, float64 inputs): unit roundoff 1.1e-16, "
             "a few hundred terms per element give ~1e-14 at worst; 1e-12 leaves 100x room and still tells a "
-            "float64 computation from a float32 one (>= 1e-8)."
+            "float64 computation from a float32 one (>= 1e-8). Cancellation: the bfloat16 rule below."
         ),
+        sensitivity_factor=5.0,
     ),
     # ----- other comparisons, by name
     "float64_identity": Tolerance(
@@ -553,21 +573,24 @@ def _split_options(case: Case):
     return tuple(sorted(static)), arrays
 
 
-def oracle(case: Case, *, cotangent_seed: int = 0) -> OracleResult:
+def oracle(case: Case, *, cotangent_seed: int = 0, perturbation: Perturbation | None = None) -> OracleResult:
     """Float64 forward and VJP of the recurrence on `case`, with the seeded cotangents.
 
     Runs under a scoped `jax.enable_x64(True)`: inputs are cast up from the case's dtype to
     float64. Returns numpy float64 arrays: `.outputs` ("o" and, when requested,
     "final_state"; "gate" for kda_gate) and `.grads` ("d" + name for every differentiable input).
+    With `perturbation`, every float input and cotangent is perturbed by it first (`rounding_sensitivity`).
     """
     shapes = _output_shapes(case)
     cts = cotangents(case, shapes, cotangent_seed)
     static, array_options = _split_options(case)
     names = case.differentiable
+    perturb = perturbation.apply if perturbation is not None else (lambda name, x: x)
+    cts = {n: perturb(n, x) for n, x in cts.items()}
     with jax.enable_x64(True):
-        up = lambda x: jnp.asarray(_as_float64(x))
-        differentiable = tuple(up(case.inputs[n]) for n in names)
-        constant = {n: up(x) for n, x in case.inputs.items() if n not in names}
+        up = lambda n, x: jnp.asarray(perturb(n, _as_float64(x)))
+        differentiable = tuple(up(n, case.inputs[n]) for n in names)
+        constant = {n: up(n, x) for n, x in case.inputs.items() if n not in names}
         array_options = {n: jnp.asarray(np.asarray(x)) for n, x in array_options.items()}
         ct_tuple = tuple(jnp.asarray(cts[n]) for n in case.output_names)
         if case.op != "kda_gate" and len(ct_tuple) == 1:
@@ -576,6 +599,61 @@ def oracle(case: Case, *, cotangent_seed: int = 0) -> OracleResult:
         out = {n: _as_float64(x) for n, x in zip(case.output_names, outputs, strict=False)}
         grad = {"d" + n: _as_float64(x) for n, x in zip(names, grads, strict=True)}
     return OracleResult(out, grad)
+
+
+# Inputs that are log-space gates or gate parameters: rounding perturbs them by an absolute amount
+# (a relative change of the decay), every other input relatively.
+LOG_SPACE_INPUTS = frozenset({"g", "g_gamma", "gk", "A_log", "dt_bias"})
+
+# Unit roundoff of the precision a kernel rounds its matrix-unit operands to, by input dtype.
+UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "bfloat16": 2.0**-8}
+
+
+@dataclasses.dataclass(frozen=True)
+class Perturbation:
+    """Random rounding-sized changes of every float input and cotangent: x (1 + u e) for data,
+    x + u e for `LOG_SPACE_INPUTS`, with e uniform in [-1, 1] drawn from `seed` per tensor."""
+
+    unit_roundoff: float
+    seed: int
+
+    def apply(self, name: str, x: np.ndarray) -> np.ndarray:
+        x = np.asarray(x, np.float64)
+        if x.size == 0:
+            return x
+        rng = np.random.default_rng([self.seed, zlib.crc32(name.encode())])
+        change = self.unit_roundoff * rng.uniform(-1.0, 1.0, size=x.shape)
+        return np.where(np.isfinite(x), x + change if name in LOG_SPACE_INPUTS else x * (1.0 + change), x)
+
+
+SENSITIVITY_SAMPLES = 4
+
+
+def rounding_sensitivity(case: Case, reference: OracleResult | None = None, *, cotangent_seed: int = 0):
+    """How far one rounding of the inputs moves each result: `{name: max|oracle(perturbed) - oracle|}`.
+
+    The largest change over `SENSITIVITY_SAMPLES` random perturbations of every float input and
+    cotangent by the unit roundoff of the case's dtype (`UNIT_ROUNDOFF`). A result computed by
+    cancellation (a sum of large terms that is small) has a sensitivity far above `u max|ref|`: no
+    computation that rounds its operands to the case's precision gets it closer than that.
+    """
+    reference = oracle(case, cotangent_seed=cotangent_seed) if reference is None else reference
+    unit = UNIT_ROUNDOFF[case.dtype.name]
+    changes: dict[str, float] = collections.defaultdict(float)
+    for sample in range(SENSITIVITY_SAMPLES):
+        moved = oracle(case, cotangent_seed=cotangent_seed, perturbation=Perturbation(unit, sample))
+        for group, base in ((moved.outputs, reference.outputs), (moved.grads, reference.grads)):
+            for name, value in group.items():
+                finite = np.isfinite(value) & np.isfinite(base[name])
+                change = float(np.max(np.abs(value - base[name]), where=finite, initial=0.0))
+                changes[name] = max(changes[name], change)
+    return dict(changes)
+
+
+def cancellation_bound(tolerance: Tolerance, sensitivity: float, reference, floor: float) -> float:
+    """`kappa S / max|ref|`: the relative bound of a tensor whose `rounding_sensitivity` is S."""
+    scale = max(float(np.max(np.abs(reference), initial=0.0)), floor)
+    return tolerance.sensitivity_factor * sensitivity / scale if scale > 0 else 0.0
 
 
 # --------------------------------------------------------------------------- comparison
@@ -657,27 +735,56 @@ def check_against_oracle(fn, case: Case, tolerance: Tolerance | float | None = N
     Args:
       fn, case: as `compare_with_oracle`.
       tolerance: a `Tolerance` (outputs use `.output`, gradients `.grad`), a float for both,
-        or None for `TOLERANCES[case dtype]`.
+        or None for `TOLERANCES[case dtype]`. A tensor beyond its bound still passes within
+        `cancellation_bound` (the tolerance's `sensitivity_factor`).
 
     Returns:
       The errors, when all pass. Otherwise raises AssertionError listing every failing tensor
       with its error, tolerance and worst element.
     """
-    if tolerance is None:
-        tolerance = tolerance_for(case.dtype)
-    elif not isinstance(tolerance, Tolerance):
-        tolerance = Tolerance(float(tolerance), float(tolerance), "given")
     errors, pairs = _compare(fn, case, 0)
+    _assert_within(case, _as_tolerance(case, tolerance), errors, pairs)
+    return errors
+
+
+def check_values_against_oracle(values: dict[str, Any], case: Case, tolerance: Tolerance | float | None = None):
+    """`check_against_oracle` for results computed elsewhere: `{oracle name: array}` (outputs such as
+    "o" or "final_state", gradients "d" + input name), against the oracle with the seeded cotangents."""
+    reference = oracle(case)
+    expected = {**reference.outputs, **reference.grads}
+    unknown = sorted(set(values) - set(expected))
+    if unknown:
+        raise KeyError(f"values: no oracle result named {unknown}; known: {sorted(expected)}")
+    floor = RESOLUTION_FLOOR[case.dtype.name]
+    pairs = {n: (_as_float64(x), expected[n]) for n, x in values.items()}
+    errors = {n: relative_error(x, ref, floor) for n, (x, ref) in pairs.items()}
+    _assert_within(case, _as_tolerance(case, tolerance), errors, pairs)
+
+
+def _as_tolerance(case: Case, tolerance: Tolerance | float | None) -> Tolerance:
+    if tolerance is None:
+        return tolerance_for(case.dtype)
+    if isinstance(tolerance, Tolerance):
+        return tolerance
+    return Tolerance(float(tolerance), float(tolerance), "given")
+
+
+def _assert_within(case: Case, tolerance: Tolerance, errors: dict[str, float], pairs: dict) -> None:
+    """Records each error against its bound, or raises AssertionError listing every tensor beyond it."""
+    floor = RESOLUTION_FLOOR[case.dtype.name]
+    sensitivity = None  # the extra oracle runs happen only when a tensor exceeds its plain bound
     failures = []
     for name, error in errors.items():
-        tol = tolerance.output if name in case.output_names else tolerance.grad
-        if not error <= tol:
-            failures.append(describe_mismatch(name, *pairs[name], tol, RESOLUTION_FLOOR[case.dtype.name]))
+        bound = tolerance.output if name in case.output_names else tolerance.grad
+        if not error <= bound and tolerance.sensitivity_factor and np.isfinite(error):
+            sensitivity = rounding_sensitivity(case) if sensitivity is None else sensitivity
+            bound = max(bound, cancellation_bound(tolerance, sensitivity[name], pairs[name][1], floor))
+        if not error <= bound:
+            failures.append(describe_mismatch(name, *pairs[name], bound, floor))
         else:
-            record_error(case.label, name, error, tol)
+            record_error(case.label, name, error, bound)
     if failures:
         raise AssertionError(f"{case.label}: {len(failures)} tensor(s) off the oracle\n  " + "\n  ".join(failures))
-    return errors
 
 
 # --------------------------------------------------------------------------- special inputs and transforms
