@@ -704,12 +704,21 @@ def _cotangent(ct: np.ndarray | None, value):
 
 
 def _compare(fn, case: Case, cotangent_seed: int):
-    """(errors, pairs): relative error per tensor and the (value, reference) pairs behind it."""
+    """(errors, pairs, reference) of `fn` on `case`: see `_errors_against`."""
     reference = oracle(case, cotangent_seed=cotangent_seed)
     outputs, grads = _run_fn(fn, case, cotangent_seed)
-    pairs = {n: (outputs[n], reference.outputs[n]) for n in reference.outputs}
-    pairs.update({n: (grads[n], reference.grads[n]) for n in reference.grads})
+    return (*_errors_against({**outputs, **grads}, case, reference), reference)
+
+
+def _errors_against(values: dict[str, Any], case: Case, reference: OracleResult):
+    """(errors, pairs): relative error per tensor of `values` (keyed like the oracle's results) and the
+    (value, reference) pairs behind it."""
+    expected = {**reference.outputs, **reference.grads}
+    unknown = sorted(set(values) - set(expected))
+    if unknown:
+        raise KeyError(f"values: no oracle result named {unknown}; known: {sorted(expected)}")
     floor = RESOLUTION_FLOOR[case.dtype.name]  # the implementation's outputs were cast up to float64
+    pairs = {n: (_as_float64(values[n]), expected[n]) for n in expected if n in values}
     errors = {n: relative_error(x, ref, floor) for n, (x, ref) in pairs.items()}
     return errors, pairs
 
@@ -725,7 +734,7 @@ def compare_with_oracle(fn, case: Case, *, cotangent_seed: int = 0) -> dict[str,
     Returns:
       `{"o": .., "final_state": .. (when requested), "dq": .., ...}`; kda_gate: `{"gate", "dg", ...}`.
     """
-    errors, _ = _compare(fn, case, cotangent_seed)
+    errors, _, _ = _compare(fn, case, cotangent_seed)
     return errors
 
 
@@ -742,8 +751,8 @@ def check_against_oracle(fn, case: Case, tolerance: Tolerance | float | None = N
       The errors, when all pass. Otherwise raises AssertionError listing every failing tensor
       with its error, tolerance and worst element.
     """
-    errors, pairs = _compare(fn, case, 0)
-    _assert_within(case, _as_tolerance(case, tolerance), errors, pairs)
+    errors, pairs, reference = _compare(fn, case, 0)
+    _assert_within(case, _as_tolerance(case, tolerance), errors, pairs, reference)
     return errors
 
 
@@ -751,14 +760,8 @@ def check_values_against_oracle(values: dict[str, Any], case: Case, tolerance: T
     """`check_against_oracle` for results computed elsewhere: `{oracle name: array}` (outputs such as
     "o" or "final_state", gradients "d" + input name), against the oracle with the seeded cotangents."""
     reference = oracle(case)
-    expected = {**reference.outputs, **reference.grads}
-    unknown = sorted(set(values) - set(expected))
-    if unknown:
-        raise KeyError(f"values: no oracle result named {unknown}; known: {sorted(expected)}")
-    floor = RESOLUTION_FLOOR[case.dtype.name]
-    pairs = {n: (_as_float64(x), expected[n]) for n, x in values.items()}
-    errors = {n: relative_error(x, ref, floor) for n, (x, ref) in pairs.items()}
-    _assert_within(case, _as_tolerance(case, tolerance), errors, pairs)
+    errors, pairs = _errors_against(values, case, reference)
+    _assert_within(case, _as_tolerance(case, tolerance), errors, pairs, reference)
 
 
 def _as_tolerance(case: Case, tolerance: Tolerance | float | None) -> Tolerance:
@@ -769,15 +772,17 @@ def _as_tolerance(case: Case, tolerance: Tolerance | float | None) -> Tolerance:
     return Tolerance(float(tolerance), float(tolerance), "given")
 
 
-def _assert_within(case: Case, tolerance: Tolerance, errors: dict[str, float], pairs: dict) -> None:
-    """Records each error against its bound, or raises AssertionError listing every tensor beyond it."""
+def _assert_within(case: Case, tolerance: Tolerance, errors: dict[str, float], pairs: dict, reference) -> None:
+    """Records each error against its bound, or raises AssertionError listing every tensor beyond it.
+
+    `reference`: the `OracleResult` behind `pairs` (the base of `rounding_sensitivity`)."""
     floor = RESOLUTION_FLOOR[case.dtype.name]
     sensitivity = None  # the extra oracle runs happen only when a tensor exceeds its plain bound
     failures = []
     for name, error in errors.items():
         bound = tolerance.output if name in case.output_names else tolerance.grad
         if not error <= bound and tolerance.sensitivity_factor and np.isfinite(error):
-            sensitivity = rounding_sensitivity(case) if sensitivity is None else sensitivity
+            sensitivity = rounding_sensitivity(case, reference) if sensitivity is None else sensitivity
             bound = max(bound, cancellation_bound(tolerance, sensitivity[name], pairs[name][1], floor))
         if not error <= bound:
             failures.append(describe_mismatch(name, *pairs[name], bound, floor))
