@@ -99,6 +99,35 @@ def dot(a: jax.Array, b: jax.Array, dims, dtype) -> jax.Array:
     )
 
 
+def bfloat16_parts(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Three bfloat16 arrays whose float32 sum is the float32 `x` exactly (8 significant bits each)."""
+    high = x.astype(jnp.bfloat16)
+    rest = x - high.astype(jnp.float32)
+    middle = rest.astype(jnp.bfloat16)
+    low = (rest - middle.astype(jnp.float32)).astype(jnp.bfloat16)
+    return high, middle, low
+
+
+def split_for_mask_dot(x: jax.Array) -> jax.Array:
+    """float32 `x` [N, K] as its three bfloat16 parts side by side, [N, 3K] (`mask_dot`'s operand)."""
+    return jnp.concatenate(bfloat16_parts(x), axis=1)
+
+
+def mask_dot(mask: jax.Array, x: jax.Array) -> jax.Array:
+    """`mask @ x` for a 0/1 (bool or float) `mask` [M, N] and float32 `x` [N, K], as accurate as a
+    float32 matmul in half its MXU passes. `x` may also be given split (`split_for_mask_dot`), so
+    that several masks share one split.
+
+    The mask is exact in bfloat16 and `x` is the exact sum of its three bfloat16 parts, so every
+    product is exact and only the float32 accumulation rounds: three bfloat16 passes (one matmul
+    of the parts side by side) where a float32 matmul at full precision takes six.
+    """
+    parts = x if x.dtype == jnp.bfloat16 else split_for_mask_dot(x)
+    k = parts.shape[1] // 3
+    sums = jax.lax.dot_general(mask.astype(jnp.bfloat16), parts, NN, preferred_element_type=jnp.float32)
+    return (sums[:, :k] + sums[:, k : 2 * k]) + sums[:, 2 * k :]
+
+
 def compiler_params(*semantics: str, vmem_limit_bytes: int | None = None) -> pltpu.CompilerParams:
     """Mosaic compiler parameters with the given grid dimension semantics and, when given, the
     scoped VMEM limit (Mosaic's per-chip default otherwise)."""

@@ -2,10 +2,11 @@
 
 The gate arrives as the raw per-step log decays `a_u` of the chunk (float32, <= 0 for
 decays). Every exponent is a segment sum `sum_{s<u<=t} a_u` computed directly as a masked
-float32 matmul (a triangular matmul, no cumsum op), never as the difference of two long
-cumulative sums: with a decay of -10 per step a cumulative sum reaches -1280 in a chunk of
-128, and the difference of two such numbers keeps only ~1e-4 absolute precision, while a
-segment sum is exact to float32 relative precision of itself. With b_t = sum_{u<=t} a_u
+float32-accurate matmul (a triangular matmul, no cumsum op; `common.mask_dot` for per-key
+gates), never as the difference of two long cumulative sums: with a decay of -10 per step a
+cumulative sum reaches -1280 in a chunk of 128, and the difference of two such numbers keeps
+only ~1e-4 absolute precision, while a segment sum is exact to float32 relative precision of
+itself. With b_t = sum_{u<=t} a_u
 and L the last step of the chunk, every exponential has an argument <= 0:
 
   from_start  e^{b_t}            decay from the chunk start through step t   (q side)
@@ -25,7 +26,8 @@ masks it before `exp`. `KeyGate` (a decay per key, gla) cannot build [C, C, K], 
 the pairs t > s by the highest bit where t and s differ: at level l both lie in one block
 of 2^(l+1) steps, t in its upper half and s in its lower half, and with r the last step of
 the lower half `e^{b_t - b_s} = e^{b_t - b_r} e^{b_r - b_s}`, both factors <= 0 and both
-exponents segment sums. Each level is one masked MXU matmul per product.
+exponents segment sums. Every row lies in one half at each level, so a level takes one
+segment-sum matmul and one `exp` for the factors of all rows, and one masked MXU matmul per product.
 
 Hard resets (a log decay of -inf, decay exactly 0) reach the kernels floored at `GATE_FLOOR`
 (`floor_gates`), see there. Products whose factors are masked to zero use `jnp.where`, never a
@@ -39,7 +41,17 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from gla_core.chunk.common import NN, NT, TN, chunk_iota, column_to_row, dot, row_to_column
+from gla_core.chunk.common import (
+    NN,
+    NT,
+    TN,
+    chunk_iota,
+    column_to_row,
+    dot,
+    mask_dot,
+    row_to_column,
+    split_for_mask_dot,
+)
 
 F32 = jnp.float32
 
@@ -186,34 +198,40 @@ class KeyGate:
         self.chunk = chunk
         self.a = a
 
+    @functools.cached_property
+    def split(self) -> jax.Array:
+        """The gate as `mask_dot` takes it: its three bfloat16 parts side by side, [C, 3K]."""
+        return split_for_mask_dot(self.a)
+
     def from_start(self) -> jax.Array:
         rows, cols = chunk_iota(self.chunk)
-        return jnp.exp(dot(_mask(cols <= rows), self.a, NN, F32))  # e^{b_t}, [C, K]
+        return jnp.exp(mask_dot(cols <= rows, self.split))  # e^{b_t}, [C, K]
 
     def to_end(self) -> jax.Array:
         rows, cols = chunk_iota(self.chunk)
-        return jnp.exp(dot(_mask(cols > rows), self.a, NN, F32))  # e^{b_L - b_t}, [C, K]
+        return jnp.exp(mask_dot(cols > rows, self.split))  # e^{b_L - b_t}, [C, K]
 
     def last_decay(self) -> jax.Array:
         return jnp.exp(jnp.sum(self.a, axis=0, keepdims=True))  # [1, K]
 
     def _levels(self):
         """Per level: (e^{b_t - b_r} for upper-half rows [C,K], e^{b_r - b_s} for lower-half rows
-        [C,K], pair mask [C,C]); zero on the rows of the other half."""
+        [C,K], pair mask [C,C]); zero on the rows of the other half.
+
+        A row is in the upper or the lower half of its block, never both, so one masked matmul
+        gives every row's segment sum and one `exp` its factor."""
         chunk = self.chunk
         rows, cols = chunk_iota(chunk)
         level = 0
         while (1 << level) < chunk:
             upper_row = ((rows >> level) & 1) == 1  # [C, C], constant along a row
             anchor = ((rows >> (level + 1)) << (level + 1)) + (1 << level) - 1  # r of each row's block
-            # e^{b_t - b_r}: sum over r < u <= t (upper rows); e^{b_r - b_s}: sum over s < u <= r (lower rows)
-            upper_sum = _mask(upper_row & (cols > anchor) & (cols <= rows))
-            lower_sum = _mask(~upper_row & (cols > rows) & (cols <= anchor))
-            upper_exp = dot(upper_sum, self.a, NN, F32)
-            lower_exp = dot(lower_sum, self.a, NN, F32)
+            # upper rows: sum over r < u <= t; lower rows: sum over s < u <= r
+            segment = (upper_row & (cols > anchor) & (cols <= rows)) | (~upper_row & (cols > rows) & (cols <= anchor))
+            factor = jnp.exp(mask_dot(segment, self.split))  # every exponent <= 0
             is_upper = upper_row[:, :1]
-            upper = jnp.where(is_upper, jnp.exp(jnp.where(is_upper, upper_exp, 0.0)), 0.0)
-            lower = jnp.where(is_upper, 0.0, jnp.exp(jnp.where(is_upper, 0.0, lower_exp)))
+            upper = jnp.where(is_upper, factor, 0.0)
+            lower = jnp.where(is_upper, 0.0, factor)
             pair = (
                 ((rows >> (level + 1)) == (cols >> (level + 1)))
                 & (((rows >> level) & 1) == 1)
@@ -246,7 +264,7 @@ class KeyGate:
     def gate_grad(self, after: jax.Array, before: jax.Array, total: jax.Array) -> jax.Array:
         """d loss / d a `[C, K]`: `sum_{t>=u} after_t + sum_{s<u} before_s + total` (triangular matmuls)."""
         rows, cols = chunk_iota(self.chunk)
-        da = dot(_mask(cols >= rows), after, NN, F32) + dot(_mask(cols < rows), before, NN, F32) + total
+        da = mask_dot(cols >= rows, after) + mask_dot(cols < rows, before) + total
         return jnp.where(self.a <= GATE_FLOOR, 0.0, da)
 
 
@@ -256,7 +274,9 @@ def intra_costs(mode: str, chunk: int, keys: int, products: int) -> tuple[int, i
     if mode == "scalar":
         return 4 * chunk * chunk + 2 * chunk**3 + products * product, chunk * chunk + 3 * chunk
     levels = max(chunk.bit_length() - 1, 0) if products else 0
-    return 2 * product + levels * (2 + products) * product, 2 * chunk * keys * (1 + levels)
+    # Every segment-sum matmul (`mask_dot`) is three bfloat16 products: two for the decays from the
+    # start and to the end, one per level, each level with one exp per element.
+    return 3 * (2 + levels) * product + levels * products * product, chunk * keys * (2 + levels)
 
 
 def make_gate(mode: str, block: jax.Array, dtype) -> ScalarGate | KeyGate:
