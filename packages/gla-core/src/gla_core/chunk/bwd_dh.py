@@ -27,7 +27,9 @@ from gla_core.pallas_transforms import fold_vmap
 def _bwd_dh_kernel(first_ref, last_ref, seq_ref, *refs, gate_mode, has_dht, has_dh0, scale, num_chunks, dtype):
     q_ref, do_ref, gate_ref = refs[:3]  # [C, K], [C, Vt], [1, C] or [C, K]
     dht_ref = refs[3] if has_dht else None  # [Vt, K]
-    outs = refs[3 + has_dht :]
+    has_table = gate_mode == "key"
+    table = refs[3 + has_dht : 3 + has_dht + has_table]  # the key mask table, if any
+    outs = refs[3 + has_dht + has_table :]
     dh_ref = outs[0]  # [Vt, K] gradient of the state after this chunk
     dh0_ref = outs[1] if has_dh0 else None  # [Vt, K]
     grad_ref = outs[-1]  # VMEM scratch [Vt, K] float32
@@ -47,7 +49,7 @@ def _bwd_dh_kernel(first_ref, last_ref, seq_ref, *refs, gate_mode, has_dht, has_
 
     grad = grad_ref[...]
     dh_ref[...] = grad
-    gate = make_gate(gate_mode, gate_ref[...], dtype)
+    gate = make_gate(gate_mode, gate_ref[...], dtype, *table)
     q_decayed = q_ref[...].astype(jnp.float32) * gate.from_start()  # [C, K]
     grad = grad * gate.last_decay() + scale * dot(do_ref[...], q_decayed, TN, dtype)
     grad_ref[...] = grad

@@ -23,18 +23,17 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from gla_core.chunk.common import NN, NT, chunk_iota, compiler_params, cost_estimate, dot, mxu_dtype
-from gla_core.chunk.gates import intra_costs, make_gate
+from gla_core.chunk.gates import intra_costs, make_gate, mask_table_inputs
 from gla_core.chunk.specs import ChunkSpecs
 from gla_core.pallas_transforms import fold_vmap
 from gla_core.tpu import interpret_params
 
 
-def _bwd_dqkg_kernel(
-    q_ref, k_ref, v_ref, do_ref, gate_ref, h_ref, dh_ref, dq_ref, dk_ref, da_ref, *, gate_mode, scale, dtype
-):
-    # q, k [C, Kt]; v, do [C, V]; gate [1, C] or [C, Kt]; h, dh [V, Kt] float32;
+def _bwd_dqkg_kernel(q_ref, k_ref, v_ref, do_ref, gate_ref, h_ref, dh_ref, *refs, gate_mode, scale, dtype):
+    # q, k [C, Kt]; v, do [C, V]; gate [1, C] or [C, Kt]; h, dh [V, Kt] float32; [key mask table];
     # dq, dk [C, Kt]; da [1, C] (this K tile's partial sum) or [C, Kt] float32
-    gate = make_gate(gate_mode, gate_ref[...], dtype)
+    dq_ref, dk_ref, da_ref = refs[-3:]
+    gate = make_gate(gate_mode, gate_ref[...], dtype, *refs[:-3])
     q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
     state, grad = h_ref[...], dh_ref[...]
     chunk = q.shape[0]
@@ -97,6 +96,7 @@ def _launch(q, k, v, do, gate, h, dh, *, specs: ChunkSpecs, scale: float, dtype,
         gate_grad_spec = specs.scalar_gate_partial()
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype), gate_grad_shape]
     kernel = functools.partial(_bwd_dqkg_kernel, gate_mode=specs.gate_mode, scale=scale, dtype=dtype)
+    table, table_spec = mask_table_inputs(specs.gate_mode, c)
     flops, transcendentals = intra_costs(specs.gate_mode, c, specs.block_k, products=2)
     flops = b * hh * nk * nt * flops + b * hh * (6 * tp * kdim * vdim + 2 * tp * c * vdim * nk)
     with jax.named_scope("chunk_bwd_dqkg"):
@@ -112,6 +112,7 @@ def _launch(q, k, v, do, gate, h, dh, *, specs: ChunkSpecs, scale: float, dtype,
                 specs.gate(),
                 specs.chunk_state(),
                 specs.chunk_state(),
+                *table_spec,
             ],
             out_specs=[specs.key(), specs.key(), gate_grad_spec],
             compiler_params=compiler_params("parallel", "parallel", "parallel", "parallel"),
@@ -120,4 +121,4 @@ def _launch(q, k, v, do, gate, h, dh, *, specs: ChunkSpecs, scale: float, dtype,
                 flops, b * hh * nk * nt * transcendentals, [q, k, v, do, gate, h, dh, *out_shape]
             ),
             name="chunk_bwd_dqkg",
-        )(q, k, v, do, gate, h, dh)
+        )(q, k, v, do, gate, h, dh, *table)

@@ -26,7 +26,9 @@ from gla_core.pallas_transforms import fold_vmap
 def _fwd_h_kernel(first_ref, last_ref, seq_ref, *refs, gate_mode, has_h0, has_ht, dtype):
     k_ref, v_ref, gate_ref = refs[:3]  # [C, K], [C, Vt], [1, C] or [C, K]
     h0_ref = refs[3] if has_h0 else None  # [Vt, K]
-    outs = refs[3 + has_h0 :]
+    has_table = gate_mode == "key"
+    table = refs[3 + has_h0 : 3 + has_h0 + has_table]  # the key mask table, if any
+    outs = refs[3 + has_h0 + has_table :]
     h_ref = outs[0]  # [Vt, K] state before this chunk
     ht_ref = outs[1] if has_ht else None  # [Vt, K]
     state_ref = outs[-1]  # VMEM scratch [Vt, K] float32
@@ -45,7 +47,7 @@ def _fwd_h_kernel(first_ref, last_ref, seq_ref, *refs, gate_mode, has_h0, has_ht
 
     state = state_ref[...]
     h_ref[...] = state
-    gate = make_gate(gate_mode, gate_ref[...], dtype)
+    gate = make_gate(gate_mode, gate_ref[...], dtype, *table)
     k_decayed = k_ref[...].astype(jnp.float32) * gate.to_end()  # [C, K]
     state = state * gate.last_decay() + dot(v_ref[...], k_decayed, TN, dtype)
     state_ref[...] = state

@@ -19,9 +19,10 @@ from gla_core.chunk.specs import ChunkSpecs
 from gla_core.pallas_transforms import fold_vmap
 
 
-def _fwd_o_kernel(q_ref, k_ref, v_ref, gate_ref, h_ref, o_ref, *, gate_mode, scale, dtype):
-    # q, k [C, K]; v [C, Vt]; gate [1, C] or [C, K]; h [Vt, K] float32; o [C, Vt]
-    gate = make_gate(gate_mode, gate_ref[...], dtype)
+def _fwd_o_kernel(q_ref, k_ref, v_ref, gate_ref, h_ref, *refs, gate_mode, scale, dtype):
+    # q, k [C, K]; v [C, Vt]; gate [1, C] or [C, K]; h [Vt, K] float32; [key mask table]; o [C, Vt]
+    o_ref = refs[-1]
+    gate = make_gate(gate_mode, gate_ref[...], dtype, *refs[:-1])
     q = q_ref[...]
     q_decayed = q.astype(jnp.float32) * gate.from_start()
     inter = dot(q_decayed, h_ref[...], NT, dtype)  # [C, Vt]

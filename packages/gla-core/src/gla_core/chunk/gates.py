@@ -40,6 +40,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
 
 from gla_core.chunk.common import (
     NN,
@@ -184,19 +186,78 @@ class ScalarGate:
         return jnp.where(self.a_row <= GATE_FLOOR, 0.0, da + jnp.sum(total))
 
 
+class KeyMaskTable:
+    """The constant 0/1 masks `[C, C]` of the per-key gate, stacked into one bfloat16 array.
+
+    The masks depend on C alone. Built inside a kernel from iotas they cost more vector work
+    than the products they select, so the launcher passes them once as an input (a block with
+    a constant index, fetched once) and `KeyGate` slices it. Blocks of C rows, in order:
+
+      THROUGH       [t, u] = u <= t          b_t = sum_{u<=t} a_u               (from_start)
+      AFTER         [t, u] = u > t           b_L - b_t = sum_{u>t} a_u          (to_end)
+      FROM_U_ON     [u, t] = t >= u          sum_{t>=u} (gate gradient)
+      BEFORE_U      [u, s] = s < u           sum_{s<u}  (gate gradient)
+      SEGMENT + l   [t, u] = r < u <= t for a row t in the upper half of its block at level l,
+                             t < u <= r in the lower half (r the last step of the lower half)
+      PAIR + l      [t, s] = t in the upper half, s in the lower half of one block at level l
+    """
+
+    THROUGH, AFTER, FROM_U_ON, BEFORE_U, SEGMENT = range(5)
+
+    def __init__(self, chunk: int):
+        if chunk < 1 or chunk & (chunk - 1):
+            raise ValueError(f"chunk size must be a power of two, got {chunk}")
+        self.chunk = chunk
+        self.levels = chunk.bit_length() - 1
+
+    @property
+    def pair(self) -> int:
+        """The block index of PAIR + 0."""
+        return self.SEGMENT + self.levels
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return ((self.SEGMENT + 2 * self.levels) * self.chunk, self.chunk)
+
+    def build(self) -> jax.Array:
+        """The table, bfloat16 `shape` (exact 0/1 values)."""
+        rows, cols = np.indices((self.chunk, self.chunk))
+        blocks = [cols <= rows, cols > rows, cols >= rows, cols < rows]
+        pairs = []
+        for level in range(self.levels):
+            upper_row = ((rows >> level) & 1) == 1
+            anchor = ((rows >> (level + 1)) << (level + 1)) + (1 << level) - 1
+            upper = upper_row & (cols > anchor) & (cols <= rows)
+            lower = ~upper_row & (cols > rows) & (cols <= anchor)
+            blocks.append(upper | lower)
+            same_block = (rows >> (level + 1)) == (cols >> (level + 1))
+            pairs.append(same_block & upper_row & (((cols >> level) & 1) == 0))
+        return jnp.asarray(np.concatenate(blocks + pairs, axis=0), jnp.bfloat16)
+
+    def block_spec(self) -> pl.BlockSpec:
+        """The whole table in every grid step (the index never changes, so it is fetched once)."""
+        return pl.BlockSpec(self.shape, lambda *indices: (0, 0))
+
+
 class KeyGate:
-    """Per-key per-step log decays of one chunk, `a` `[C, K]` (float32).
+    """Per-key per-step log decays of one chunk, `a` `[C, K]` (float32), with the ref of the
+    chunk's `KeyMaskTable`.
 
     Quantities are computed when first used, so a kernel traces only what it needs.
     """
 
-    def __init__(self, a: jax.Array, dtype):
-        chunk = a.shape[0]
-        if chunk & (chunk - 1):
-            raise ValueError(f"chunk size must be a power of two, got {chunk}")
+    def __init__(self, a: jax.Array, dtype, table_ref):
+        self.table = KeyMaskTable(a.shape[0])
+        if tuple(table_ref.shape) != self.table.shape:
+            raise ValueError(f"table_ref: expected the mask table {self.table.shape}, got {tuple(table_ref.shape)}")
         self.dtype = dtype
-        self.chunk = chunk
+        self.chunk = a.shape[0]
         self.a = a
+        self.table_ref = table_ref
+
+    def _masks(self, block: int, count: int = 1) -> jax.Array:
+        """Blocks `block .. block + count - 1` of the table, `[count * C, C]` bfloat16."""
+        return self.table_ref[pl.ds(block * self.chunk, count * self.chunk), :]
 
     @functools.cached_property
     def split(self) -> jax.Array:
@@ -204,41 +265,24 @@ class KeyGate:
         return split_for_mask_dot(self.a)
 
     def from_start(self) -> jax.Array:
-        rows, cols = chunk_iota(self.chunk)
-        return jnp.exp(mask_dot(cols <= rows, self.split))  # e^{b_t}, [C, K]
+        return jnp.exp(mask_dot(self._masks(KeyMaskTable.THROUGH), self.split))  # e^{b_t}, [C, K]
 
     def to_end(self) -> jax.Array:
-        rows, cols = chunk_iota(self.chunk)
-        return jnp.exp(mask_dot(cols > rows, self.split))  # e^{b_L - b_t}, [C, K]
+        return jnp.exp(mask_dot(self._masks(KeyMaskTable.AFTER), self.split))  # e^{b_L - b_t}, [C, K]
 
     def last_decay(self) -> jax.Array:
         return jnp.exp(jnp.sum(self.a, axis=0, keepdims=True))  # [1, K]
 
     def _levels(self):
-        """Per level: (e^{b_t - b_r} for upper-half rows [C,K], e^{b_r - b_s} for lower-half rows
-        [C,K], pair mask [C,C]); zero on the rows of the other half.
-
-        A row is in the upper or the lower half of its block, never both, so one masked matmul
-        gives every row's segment sum and one `exp` its factor."""
-        chunk = self.chunk
-        rows, cols = chunk_iota(chunk)
-        level = 0
-        while (1 << level) < chunk:
-            upper_row = ((rows >> level) & 1) == 1  # [C, C], constant along a row
-            anchor = ((rows >> (level + 1)) << (level + 1)) + (1 << level) - 1  # r of each row's block
-            # upper rows: sum over r < u <= t; lower rows: sum over s < u <= r
-            segment = (upper_row & (cols > anchor) & (cols <= rows)) | (~upper_row & (cols > rows) & (cols <= anchor))
-            factor = jnp.exp(mask_dot(segment, self.split))  # every exponent <= 0
-            is_upper = upper_row[:, :1]
-            upper = jnp.where(is_upper, factor, 0.0)
-            lower = jnp.where(is_upper, 0.0, factor)
-            pair = (
-                ((rows >> (level + 1)) == (cols >> (level + 1)))
-                & (((rows >> level) & 1) == 1)
-                & (((cols >> level) & 1) == 0)
-            )
-            yield upper, lower, pair
-            level += 1
+        """Per level: (factor [C, K], pair mask [C, C] bool). The factor is e^{b_t - b_r} on the
+        rows t in the upper half of their block and e^{b_r - b_s} on the rows s in the lower half
+        (every exponent <= 0); the pair mask selects (upper t, lower s) of one block, so no row's
+        factor meets a column of its own half. The segment sums of all levels are one matmul."""
+        c, levels = self.chunk, self.table.levels
+        factors = jnp.exp(mask_dot(self._masks(KeyMaskTable.SEGMENT, levels), self.split))  # [levels*C, K]
+        for level in range(levels):
+            pair = self._masks(self.table.pair + level) > 0
+            yield factors[level * c : (level + 1) * c], pair
 
     def scores(self, x: jax.Array, y: jax.Array) -> jax.Array:
         x = x.astype(F32)
@@ -246,8 +290,8 @@ class KeyGate:
         rows, cols = chunk_iota(self.chunk)
         diagonal = jnp.sum(x * y, axis=1, keepdims=True)  # [C, 1]
         out = jnp.where(rows == cols, diagonal, 0.0)
-        for upper, lower, pair in self._levels():
-            out = out + jnp.where(pair, dot(x * upper, y * lower, NT, self.dtype), 0.0)
+        for factor, pair in self._levels():
+            out = out + jnp.where(pair, dot(x * factor, y * factor, NT, self.dtype), 0.0)
         return out
 
     def left_right_strict(self, w: jax.Array, y: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -255,17 +299,17 @@ class KeyGate:
         y = y.astype(F32)
         left = jnp.zeros(y.shape, F32)
         right = jnp.zeros(x.shape, F32)
-        for upper, lower, pair in self._levels():
-            w_level = jnp.where(pair, w, 0.0)
-            left = left + upper * dot(w_level, y * lower, NN, self.dtype)
-            right = right + lower * dot(w_level, x * upper, TN, self.dtype)
+        for factor, pair in self._levels():
+            w_level = jnp.where(pair, w, 0.0)  # rows: upper halves only; columns: lower halves only
+            left = left + factor * dot(w_level, y * factor, NN, self.dtype)
+            right = right + factor * dot(w_level, x * factor, TN, self.dtype)
         return left, right
 
     def gate_grad(self, after: jax.Array, before: jax.Array, total: jax.Array) -> jax.Array:
         """d loss / d a `[C, K]`: `sum_{t>=u} after_t + sum_{s<u} before_s + total` (triangular matmuls)."""
-        rows, cols = chunk_iota(self.chunk)
-        da = mask_dot(cols >= rows, after) + mask_dot(cols < rows, before) + total
-        return jnp.where(self.a <= GATE_FLOOR, 0.0, da)
+        from_u_on = mask_dot(self._masks(KeyMaskTable.FROM_U_ON), after)
+        before_u = mask_dot(self._masks(KeyMaskTable.BEFORE_U), before)
+        return jnp.where(self.a <= GATE_FLOOR, 0.0, from_u_on + before_u + total)
 
 
 def intra_costs(mode: str, chunk: int, keys: int, products: int) -> tuple[int, int]:
@@ -279,6 +323,16 @@ def intra_costs(mode: str, chunk: int, keys: int, products: int) -> tuple[int, i
     return 3 * (2 + levels) * product + levels * products * product, chunk * keys * (2 + levels)
 
 
-def make_gate(mode: str, block: jax.Array, dtype) -> ScalarGate | KeyGate:
-    """The gate of one chunk from its loaded block: "scalar" `[1, C]` or "key" `[C, K]`."""
-    return ScalarGate(block, dtype) if mode == "scalar" else KeyGate(block, dtype)
+def mask_table_inputs(mode: str, chunk: int) -> tuple[list[jax.Array], list[pl.BlockSpec]]:
+    """The extra kernel input of a gate mode and its block spec: the `KeyMaskTable` for "key",
+    nothing for "scalar"."""
+    if mode == "scalar":
+        return [], []
+    table = KeyMaskTable(chunk)
+    return [table.build()], [table.block_spec()]
+
+
+def make_gate(mode: str, block: jax.Array, dtype, table_ref=None) -> ScalarGate | KeyGate:
+    """The gate of one chunk from its loaded block: "scalar" `[1, C]` or "key" `[C, K]` (with the
+    ref of its `KeyMaskTable`)."""
+    return ScalarGate(block, dtype) if mode == "scalar" else KeyGate(block, dtype, table_ref)

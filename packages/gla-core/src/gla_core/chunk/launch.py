@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from gla_core.chunk.common import compiler_params, cost_estimate
-from gla_core.chunk.gates import intra_costs
+from gla_core.chunk.gates import intra_costs, mask_table_inputs
 from gla_core.chunk.specs import ChunkSpecs
 from gla_core.tpu import interpret_params
 
@@ -40,7 +40,8 @@ def launch_state_pass(
     state_out: bool,
     interpret: bool,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """Runs `kernel(first, last, sequence, row, column, gate, [state_in], per_chunk, [state_out], scratch)`.
+    """Runs `kernel(first, last, sequence, row, column, gate, [state_in], [table], per_chunk, [state_out], scratch)`
+    (`table`: the `KeyMaskTable` of a per-key gate).
 
     Returns (per-chunk states [B, H, NT, V, K] float32, per-sequence states [N, H, V, K] float32
     or None unless `state_out`).
@@ -53,6 +54,9 @@ def launch_state_pass(
     if state_in is not None:
         in_specs.append(specs.state_of_sequence())
         inputs.append(state_in)
+    table, table_spec = mask_table_inputs(specs.gate_mode, specs.chunk)
+    inputs += table
+    in_specs += table_spec
     out_shape = [jax.ShapeDtypeStruct((b, h, nt, vdim, kdim), jnp.float32)]
     out_specs = [specs.chunk_state()]
     if state_out:
@@ -93,7 +97,8 @@ def launch_value_pass(
     out_dtype,
     interpret: bool,
 ) -> jax.Array:
-    """Runs `kernel(q, k, value, gate, states, out)` over (B, H, V tiles, chunks), all parallel.
+    """Runs `kernel(q, k, value, gate, states, [table], out)` over (B, H, V tiles, chunks), all parallel
+    (`table`: the `KeyMaskTable` of a per-key gate).
 
     q, k [B, H, Tp, K]; value [B, H, Tp, V]; states [B, H, NT, V, K] float32 (one per chunk).
     Returns [B, H, Tp, V] in `out_dtype`.
@@ -105,15 +110,16 @@ def launch_value_pass(
     flops, transcendentals = intra_costs(specs.gate_mode, c, kdim, products=1)
     flops = b * hh * nv * nt * (flops + 2 * c * kdim * specs.block_v + 2 * c * c * specs.block_v)
     transcendentals = b * hh * nv * nt * transcendentals
+    table, table_spec = mask_table_inputs(specs.gate_mode, c)
     with jax.named_scope(name):
         return pl.pallas_call(
             kernel,
             out_shape=out_shape,
             grid=specs.grid(b, hh),
-            in_specs=[specs.key(), specs.key(), specs.value(), specs.gate(), specs.chunk_state()],
+            in_specs=[specs.key(), specs.key(), specs.value(), specs.gate(), specs.chunk_state(), *table_spec],
             out_specs=specs.value(),
             compiler_params=compiler_params("parallel", "parallel", "parallel", "parallel"),
             interpret=interpret_params(interpret),
             cost_estimate=cost_estimate(flops, transcendentals, [q, k, value, gate, states, out_shape]),
             name=name,
-        )(q, k, value, gate, states)
+        )(q, k, value, gate, states, *table)
