@@ -25,8 +25,8 @@ from gla_core.chunk import BlockSizes, prepare
 from gla_core.chunk.bwd_dh import chunk_bwd_dh
 from gla_core.chunk.bwd_dqkg import chunk_bwd_dqkg
 from gla_core.chunk.bwd_dv import chunk_bwd_dv
+from gla_core.chunk.fwd import chunk_fwd
 from gla_core.chunk.fwd_h import chunk_fwd_h
-from gla_core.chunk.fwd_o import chunk_fwd_o
 from gla_core.chunk.pipeline import ChunkConfig, kernel_inputs
 from gla_ref import recurrent
 from gla_ref.testing import TOLERANCES, assert_close, cotangents, make_case, oracle
@@ -175,12 +175,24 @@ def test_fwd_h_states_and_final_state(problem, no_races, interpret):
     assert_close("final_state", final, problem.reference.outputs["final_state"], TOL.output)
 
 
-def test_fwd_o(problem, interpret):
+def test_fwd_outputs_and_final_state(problem, no_races, interpret):
     x, config = problem.inputs, problem.config
-    h = _to_kernel_states(problem.states, problem)
-    o = chunk_fwd_o(x.q, x.k, x.v, x.gate, h, specs=config.specs(), scale=config.scale, interpret=interpret)
+    o, ht = chunk_fwd(
+        x.q,
+        x.k,
+        x.v,
+        x.gate,
+        x.h0,
+        x.meta,
+        specs=config.specs(),
+        scale=config.scale,
+        output_final_state=True,
+        interpret=interpret,
+    )
     o = prepare.from_kernel(o, config.geometry, None, config.geometry.value_dim)
     assert_close("o", o, problem.reference.outputs["o"], TOL.output)
+    final = prepare.state_out(ht, config.geometry)
+    assert_close("final_state", final, problem.reference.outputs["final_state"], TOL.output)
 
 
 def test_bwd_dh_state_gradients(problem, no_races, interpret):

@@ -49,7 +49,7 @@ def _bwd_dh_kernel(first_ref, last_ref, seq_ref, *refs, gate_mode, has_dht, has_
 
     grad = grad_ref[...]
     dh_ref[...] = grad
-    gate = make_gate(gate_mode, gate_ref[...], dtype, *table)
+    gate = make_gate(gate_mode, gate_ref[...], dtype, *table, products=False)
     q_decayed = q_ref[...].astype(jnp.float32) * gate.from_start()  # [C, K]
     grad = grad * gate.last_decay() + scale * dot(do_ref[...], q_decayed, TN, dtype)
     grad_ref[...] = grad

@@ -33,7 +33,7 @@ def _bwd_dqkg_kernel(q_ref, k_ref, v_ref, do_ref, gate_ref, h_ref, dh_ref, *refs
     # q, k [C, Kt]; v, do [C, V]; gate [1, C] or [C, Kt]; h, dh [V, Kt] float32; [key mask table];
     # dq, dk [C, Kt]; da [1, C] (this K tile's partial sum) or [C, Kt] float32
     dq_ref, dk_ref, da_ref = refs[-3:]
-    gate = make_gate(gate_mode, gate_ref[...], dtype, *refs[:-3])
+    gate = make_gate(gate_mode, gate_ref[...], dtype, *refs[:-3], products=True)
     q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
     state, grad = h_ref[...], dh_ref[...]
     chunk = q.shape[0]

@@ -23,7 +23,7 @@ from gla_core.pallas_transforms import fold_vmap
 def _bwd_dv_kernel(q_ref, k_ref, do_ref, gate_ref, dh_ref, *refs, gate_mode, scale, dtype):
     # q, k [C, K]; do [C, Vt]; gate [1, C] or [C, K]; dh [Vt, K] float32; [key mask table]; dv [C, Vt]
     dv_ref = refs[-1]
-    gate = make_gate(gate_mode, gate_ref[...], dtype, *refs[:-1])
+    gate = make_gate(gate_mode, gate_ref[...], dtype, *refs[:-1], products=True)
     k = k_ref[...]
     k_decayed = k.astype(jnp.float32) * gate.to_end()
     from_state = dot(k_decayed, dh_ref[...], NT, dtype)  # [C, Vt]

@@ -32,7 +32,7 @@ class BlockSizes:
     """Tile sizes of the chunk kernels (the time tile is the chunk size of the call).
 
     Attributes:
-      block_v: the largest value-dimension tile of the kernels that tile V (fwd_h, fwd_o,
+      block_v: the largest value-dimension tile of the kernels that tile V (fwd, fwd_h,
         bwd_dh, bwd_dv; they see all of K).
       block_k: the largest key-dimension tile of the dq/dk/dgate kernel (it sees all of V).
     A padded dimension (a multiple of 128) is split into the largest multiple of 128 lanes

@@ -47,7 +47,7 @@ def _fwd_h_kernel(first_ref, last_ref, seq_ref, *refs, gate_mode, has_h0, has_ht
 
     state = state_ref[...]
     h_ref[...] = state
-    gate = make_gate(gate_mode, gate_ref[...], dtype, *table)
+    gate = make_gate(gate_mode, gate_ref[...], dtype, *table, products=False)
     k_decayed = k_ref[...].astype(jnp.float32) * gate.to_end()  # [C, K]
     state = state * gate.last_decay() + dot(v_ref[...], k_decayed, TN, dtype)
     state_ref[...] = state

@@ -191,18 +191,19 @@ class KeyMaskTable:
 
     The masks depend on C alone. Built inside a kernel from iotas they cost more vector work
     than the products they select, so the launcher passes them once as an input (a block with
-    a constant index, fetched once) and `KeyGate` slices it. Blocks of C rows, in order:
+    a constant index, fetched once) and `KeyGate` slices it. Blocks of C rows, in order (the
+    first 2 + L are the segment sums of every decay a product needs, one matmul together):
 
       THROUGH       [t, u] = u <= t          b_t = sum_{u<=t} a_u               (from_start)
       AFTER         [t, u] = u > t           b_L - b_t = sum_{u>t} a_u          (to_end)
-      FROM_U_ON     [u, t] = t >= u          sum_{t>=u} (gate gradient)
-      BEFORE_U      [u, s] = s < u           sum_{s<u}  (gate gradient)
       SEGMENT + l   [t, u] = r < u <= t for a row t in the upper half of its block at level l,
                              t < u <= r in the lower half (r the last step of the lower half)
       PAIR + l      [t, s] = t in the upper half, s in the lower half of one block at level l
+      FROM_U_ON     [u, t] = t >= u          sum_{t>=u} (gate gradient)
+      BEFORE_U      [u, s] = s < u           sum_{s<u}  (gate gradient)
     """
 
-    THROUGH, AFTER, FROM_U_ON, BEFORE_U, SEGMENT = range(5)
+    THROUGH, AFTER, SEGMENT = range(3)
 
     def __init__(self, chunk: int):
         if chunk < 1 or chunk & (chunk - 1):
@@ -216,13 +217,21 @@ class KeyMaskTable:
         return self.SEGMENT + self.levels
 
     @property
+    def from_u_on(self) -> int:
+        return self.SEGMENT + 2 * self.levels
+
+    @property
+    def before_u(self) -> int:
+        return self.from_u_on + 1
+
+    @property
     def shape(self) -> tuple[int, int]:
-        return ((self.SEGMENT + 2 * self.levels) * self.chunk, self.chunk)
+        return ((self.before_u + 1) * self.chunk, self.chunk)
 
     def build(self) -> jax.Array:
         """The table, bfloat16 `shape` (exact 0/1 values)."""
         rows, cols = np.indices((self.chunk, self.chunk))
-        blocks = [cols <= rows, cols > rows, cols >= rows, cols < rows]
+        blocks = [cols <= rows, cols > rows]
         pairs = []
         for level in range(self.levels):
             upper_row = ((rows >> level) & 1) == 1
@@ -232,7 +241,8 @@ class KeyMaskTable:
             blocks.append(upper | lower)
             same_block = (rows >> (level + 1)) == (cols >> (level + 1))
             pairs.append(same_block & upper_row & (((cols >> level) & 1) == 0))
-        return jnp.asarray(np.concatenate(blocks + pairs, axis=0), jnp.bfloat16)
+        gradient_sums = [cols >= rows, cols < rows]
+        return jnp.asarray(np.concatenate(blocks + pairs + gradient_sums, axis=0), jnp.bfloat16)
 
     def block_spec(self) -> pl.BlockSpec:
         """The whole table in every grid step (the index never changes, so it is fetched once)."""
@@ -243,10 +253,12 @@ class KeyGate:
     """Per-key per-step log decays of one chunk, `a` `[C, K]` (float32), with the ref of the
     chunk's `KeyMaskTable`.
 
-    Quantities are computed when first used, so a kernel traces only what it needs.
+    Quantities are computed when first used, so a kernel traces only what it needs. A kernel that
+    takes gated products (`scores`, `left_right_strict`) says so with `products`: then the decays
+    from the start, to the end and of every level come from one matmul and one `exp`.
     """
 
-    def __init__(self, a: jax.Array, dtype, table_ref):
+    def __init__(self, a: jax.Array, dtype, table_ref, products: bool):
         self.table = KeyMaskTable(a.shape[0])
         if tuple(table_ref.shape) != self.table.shape:
             raise ValueError(f"table_ref: expected the mask table {self.table.shape}, got {tuple(table_ref.shape)}")
@@ -254,6 +266,7 @@ class KeyGate:
         self.chunk = a.shape[0]
         self.a = a
         self.table_ref = table_ref
+        self.products = products
 
     def _masks(self, block: int, count: int = 1) -> jax.Array:
         """Blocks `block .. block + count - 1` of the table, `[count * C, C]` bfloat16."""
@@ -264,11 +277,23 @@ class KeyGate:
         """The gate as `mask_dot` takes it: its three bfloat16 parts side by side, [C, 3K]."""
         return split_for_mask_dot(self.a)
 
+    @functools.cached_property
+    def _all_decays(self) -> jax.Array:
+        """e^{segment sum} of blocks THROUGH .. SEGMENT + L - 1, [(2 + L) C, K] (every exponent <= 0)."""
+        count = KeyMaskTable.SEGMENT + self.table.levels
+        return jnp.exp(mask_dot(self._masks(KeyMaskTable.THROUGH, count), self.split))
+
+    def _decays(self, block: int) -> jax.Array:
+        """e^{segment sum} of one block of the table, [C, K]."""
+        if self.products:
+            return self._all_decays[block * self.chunk : (block + 1) * self.chunk]
+        return jnp.exp(mask_dot(self._masks(block), self.split))
+
     def from_start(self) -> jax.Array:
-        return jnp.exp(mask_dot(self._masks(KeyMaskTable.THROUGH), self.split))  # e^{b_t}, [C, K]
+        return self._decays(KeyMaskTable.THROUGH)  # e^{b_t}, [C, K]
 
     def to_end(self) -> jax.Array:
-        return jnp.exp(mask_dot(self._masks(KeyMaskTable.AFTER), self.split))  # e^{b_L - b_t}, [C, K]
+        return self._decays(KeyMaskTable.AFTER)  # e^{b_L - b_t}, [C, K]
 
     def last_decay(self) -> jax.Array:
         return jnp.exp(jnp.sum(self.a, axis=0, keepdims=True))  # [1, K]
@@ -278,11 +303,11 @@ class KeyGate:
         rows t in the upper half of their block and e^{b_r - b_s} on the rows s in the lower half
         (every exponent <= 0); the pair mask selects (upper t, lower s) of one block, so no row's
         factor meets a column of its own half. The segment sums of all levels are one matmul."""
-        c, levels = self.chunk, self.table.levels
-        factors = jnp.exp(mask_dot(self._masks(KeyMaskTable.SEGMENT, levels), self.split))  # [levels*C, K]
-        for level in range(levels):
+        if not self.products:
+            raise ValueError("products: a KeyGate built without products does not take gated products")
+        for level in range(self.table.levels):
             pair = self._masks(self.table.pair + level) > 0
-            yield factors[level * c : (level + 1) * c], pair
+            yield self._decays(KeyMaskTable.SEGMENT + level), pair
 
     def scores(self, x: jax.Array, y: jax.Array) -> jax.Array:
         x = x.astype(F32)
@@ -307,8 +332,8 @@ class KeyGate:
 
     def gate_grad(self, after: jax.Array, before: jax.Array, total: jax.Array) -> jax.Array:
         """d loss / d a `[C, K]`: `sum_{t>=u} after_t + sum_{s<u} before_s + total` (triangular matmuls)."""
-        from_u_on = mask_dot(self._masks(KeyMaskTable.FROM_U_ON), after)
-        before_u = mask_dot(self._masks(KeyMaskTable.BEFORE_U), before)
+        from_u_on = mask_dot(self._masks(self.table.from_u_on), after)
+        before_u = mask_dot(self._masks(self.table.before_u), before)
         return jnp.where(self.a <= GATE_FLOOR, 0.0, from_u_on + before_u + total)
 
 
@@ -332,7 +357,8 @@ def mask_table_inputs(mode: str, chunk: int) -> tuple[list[jax.Array], list[pl.B
     return [table.build()], [table.block_spec()]
 
 
-def make_gate(mode: str, block: jax.Array, dtype, table_ref=None) -> ScalarGate | KeyGate:
+def make_gate(mode: str, block: jax.Array, dtype, table_ref=None, *, products: bool) -> ScalarGate | KeyGate:
     """The gate of one chunk from its loaded block: "scalar" `[1, C]` or "key" `[C, K]` (with the
-    ref of its `KeyMaskTable`)."""
-    return ScalarGate(block, dtype) if mode == "scalar" else KeyGate(block, dtype, table_ref)
+    ref of its `KeyMaskTable`); `products`: the kernel takes gated products (`scores`,
+    `left_right_strict`)."""
+    return ScalarGate(block, dtype) if mode == "scalar" else KeyGate(block, dtype, table_ref, products)

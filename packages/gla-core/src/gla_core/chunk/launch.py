@@ -7,10 +7,11 @@ state `[N, H, V, K]`; both write one float32 state per chunk `[B, H, NT, V, K]` 
 a per-sequence state, carrying a `[Vt, K]` float32 state in VMEM scratch along the "arbitrary"
 time axis with the per-chunk metadata (first, last, sequence) scalar-prefetched.
 
-`launch_value_pass`: the two fully parallel per-chunk passes with a value-shaped result,
-`chunk_fwd_o` (o from q, k, v and the states) and `chunk_bwd_dv` (dv from q, k, do and the
-state gradients).
-"""
+`launch_output_pass`: the forward, `chunk_fwd`, the same sequential walk writing the outputs of
+every chunk instead of the states.
+
+`launch_value_pass`: the fully parallel per-chunk pass with a value-shaped result,
+`chunk_bwd_dv` (dv from q, k, do and the state gradients)."""
 
 from __future__ import annotations
 
@@ -49,29 +50,110 @@ def launch_state_pass(
     b, h, tp, kdim = row.shape
     vdim = column.shape[-1]
     nt, nv = specs.num_chunks, specs.num_tiles
-    in_specs = [specs.key(), specs.value(), specs.gate()]
-    inputs = [row, column, gate]
+    per_chunk = jax.ShapeDtypeStruct((b, h, nt, vdim, kdim), jnp.float32)
+    gate_flops, gate_transcendentals = intra_costs(specs.gate_mode, specs.chunk, kdim, products=0)
+    flops = b * h * nv * nt * gate_flops + 2 * b * h * tp * kdim * vdim + 3 * b * h * nt * kdim * vdim
+    return _sequential_call(
+        name,
+        kernel,
+        [row, column, gate],
+        [specs.key(), specs.value(), specs.gate()],
+        state_in,
+        (first, last, sequence),
+        per_chunk,
+        specs.chunk_state(),
+        specs=specs,
+        state_out=state_out,
+        flops=flops,
+        transcendentals=b * h * nv * nt * gate_transcendentals,
+        interpret=interpret,
+    )
+
+
+def launch_output_pass(
+    name: str,
+    kernel,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    gate: jax.Array,
+    state_in: jax.Array | None,
+    first: jax.Array,
+    last: jax.Array,
+    sequence: jax.Array,
+    *,
+    specs: ChunkSpecs,
+    state_out: bool,
+    interpret: bool,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Runs `kernel(first, last, sequence, q, k, v, gate, [state_in], [table], o, [state_out], scratch)`:
+    the forward pass that carries the state along time and writes the outputs of every chunk.
+
+    Returns (o [B, H, Tp, V] in v's dtype, per-sequence states [N, H, V, K] float32 or None
+    unless `state_out`).
+    """
+    b, hh, _, kdim = q.shape
+    nv, nt, c = specs.num_tiles, specs.num_chunks, specs.chunk
+    gate_flops, transcendentals = intra_costs(specs.gate_mode, c, kdim, products=1)
+    per_chunk = 4 * c * kdim * specs.block_v + 2 * c * c * specs.block_v + 3 * kdim * specs.block_v
+    return _sequential_call(
+        name,
+        kernel,
+        [q, k, v, gate],
+        [specs.key(), specs.key(), specs.value(), specs.gate()],
+        state_in,
+        (first, last, sequence),
+        jax.ShapeDtypeStruct(v.shape, v.dtype),
+        specs.value(),
+        specs=specs,
+        state_out=state_out,
+        flops=b * hh * nv * nt * (gate_flops + per_chunk),
+        transcendentals=b * hh * nv * nt * transcendentals,
+        interpret=interpret,
+    )
+
+
+def _sequential_call(
+    name: str,
+    kernel,
+    inputs: list,
+    in_specs: list,
+    state_in: jax.Array | None,
+    meta: tuple[jax.Array, jax.Array, jax.Array],
+    per_chunk: jax.ShapeDtypeStruct,
+    per_chunk_spec: pl.BlockSpec,
+    *,
+    specs: ChunkSpecs,
+    state_out: bool,
+    flops: int,
+    transcendentals: int,
+    interpret: bool,
+) -> tuple[jax.Array, jax.Array | None]:
+    """A `pallas_call` walking time in order ("arbitrary") with a `[Vt, K]` float32 state in VMEM
+    scratch, the per-chunk metadata scalar-prefetched, an optional per-sequence state in and out
+    and the gate's mask table; the first output has one block per chunk."""
+    kdim = inputs[0].shape[-1]
+    inputs, in_specs = list(inputs), list(in_specs)
     if state_in is not None:
         in_specs.append(specs.state_of_sequence())
         inputs.append(state_in)
     table, table_spec = mask_table_inputs(specs.gate_mode, specs.chunk)
     inputs += table
     in_specs += table_spec
-    out_shape = [jax.ShapeDtypeStruct((b, h, nt, vdim, kdim), jnp.float32)]
-    out_specs = [specs.chunk_state()]
+    out_shape = [per_chunk]
+    out_specs = [per_chunk_spec]
     if state_out:
-        out_shape.append(jax.ShapeDtypeStruct((b * specs.states_per_row, h, vdim, kdim), jnp.float32))
+        b, h = inputs[0].shape[:2]
+        out_shape.append(jax.ShapeDtypeStruct((b * specs.states_per_row, h, specs.value_dim, kdim), jnp.float32))
         out_specs.append(specs.state_of_sequence())
-    gate_flops, gate_transcendentals = intra_costs(specs.gate_mode, specs.chunk, kdim, products=0)
-    flops = b * h * nv * nt * gate_flops + 2 * b * h * tp * kdim * vdim + 3 * b * h * nt * kdim * vdim
-    cost = cost_estimate(flops, b * h * nv * nt * gate_transcendentals, [row, column, gate, state_in, *out_shape])
+    cost = cost_estimate(flops, transcendentals, [*inputs, *out_shape])
     with jax.named_scope(name):
         outs = pl.pallas_call(
             kernel,
             out_shape=out_shape,
             grid_spec=pltpu.PrefetchScalarGridSpec(
                 num_scalar_prefetch=3,
-                grid=specs.grid(b, h),
+                grid=specs.grid(*inputs[0].shape[:2]),
                 in_specs=in_specs,
                 out_specs=out_specs,
                 scratch_shapes=[pltpu.VMEM((specs.block_v, kdim), jnp.float32)],
@@ -80,7 +162,7 @@ def launch_state_pass(
             interpret=interpret_params(interpret),
             cost_estimate=cost,
             name=name,
-        )(first, last, sequence, *inputs)
+        )(*meta, *inputs)
     return outs[0], (outs[1] if state_out else None)
 
 

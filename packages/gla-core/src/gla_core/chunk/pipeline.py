@@ -1,6 +1,6 @@
 """The chunked gated-linear-attention op on the Pallas TPU chunk kernels, with its backward.
 
-Forward:  prepare -> chunk_fwd_h -> chunk_fwd_o -> back to [B, T, H, V].
+Forward:  prepare -> chunk_fwd (states in VMEM, outputs and final states) -> back to [B, T, H, V].
 Backward: prepare do -> chunk_fwd_h (recomputed, states are not kept) -> chunk_bwd_dh ->
           chunk_bwd_dv and chunk_bwd_dqkg -> back to the op's layout (g_gamma: summed over B, T).
 
@@ -29,8 +29,8 @@ from gla_core.chunk.bwd_dqkg import chunk_bwd_dqkg
 from gla_core.chunk.bwd_dv import chunk_bwd_dv
 from gla_core.chunk.common import DEFAULT_BLOCK_SIZES, BlockSizes
 from gla_core.chunk.empty import empty_attention, has_no_tokens
+from gla_core.chunk.fwd import chunk_fwd
 from gla_core.chunk.fwd_h import chunk_fwd_h
-from gla_core.chunk.fwd_o import chunk_fwd_o
 from gla_core.chunk.specs import ChunkSpecs
 from gla_core.ops import CHUNK_SIZES
 from gla_core.pallas_transforms import first_order_only
@@ -168,17 +168,18 @@ def kernel_inputs(config: ChunkConfig, q, k, v, g, g_gamma, gk, initial_state, c
 def _forward(config: ChunkConfig, q, k, v, g, g_gamma, gk, initial_state, cu_seqlens):
     geo, specs = config.geometry, config.specs()
     x = kernel_inputs(config, q, k, v, g, g_gamma, gk, initial_state, cu_seqlens)
-    h, ht = chunk_fwd_h(
+    o, ht = chunk_fwd(
+        x.q,
         x.k,
         x.v,
         x.gate,
         x.h0,
         x.meta,
         specs=specs,
+        scale=config.scale,
         output_final_state=config.output_final_state,
         interpret=config.interpret,
     )
-    o = chunk_fwd_o(x.q, x.k, x.v, x.gate, h, specs=specs, scale=config.scale, interpret=config.interpret)
     o = prepare.from_kernel(o, geo, x.layout, geo.value_dim, v.dtype)
     if ht is not None:
         ht = prepare.state_out(ht, geo)

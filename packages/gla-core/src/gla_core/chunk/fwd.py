@@ -1,0 +1,101 @@
+"""`chunk_fwd`: the forward in one pass, the state carried in VMEM along the sequential time axis.
+
+Per chunk c (b_t the sum of the chunk's log decays through step t, L its last step, S_c the
+state before the chunk, stored transposed `[V, K]`):
+
+    o_t     = scale * ( (q_t * e^{b_t}) S_c  +  sum_{s<=t} (sum_k q_tk k_sk e^{b_tk - b_sk}) v_s )
+    S_{c+1} = diag(e^{b_L}) S_c + sum_t (k_t * e^{b_L - b_t}) v_t^T
+
+with the state reset to `initial_state[seq]` at the first chunk of every sequence and the final
+state written at its last chunk (scalar-prefetched per-chunk metadata, see `prepare.ChunkMeta`).
+The states never leave VMEM; the backward recomputes them with `chunk_fwd_h`. `scale`
+multiplies the float32 accumulations (q is never pre-scaled).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from gla_core.chunk.common import NT, TN, causal_dot, dot, mxu_dtype
+from gla_core.chunk.gates import make_gate
+from gla_core.chunk.launch import launch_output_pass
+from gla_core.chunk.specs import ChunkSpecs
+from gla_core.pallas_transforms import fold_vmap
+
+
+def _fwd_kernel(first_ref, last_ref, seq_ref, *refs, gate_mode, has_h0, has_ht, scale, dtype):
+    q_ref, k_ref, v_ref, gate_ref = refs[:4]  # [C, K], [C, K], [C, Vt], [1, C] or [C, K]
+    h0_ref = refs[4] if has_h0 else None  # [Vt, K]
+    has_table = gate_mode == "key"
+    table = refs[4 + has_h0 : 4 + has_h0 + has_table]  # the key mask table, if any
+    o_ref = refs[4 + has_h0 + has_table]  # [C, Vt]
+    ht_ref = refs[5 + has_h0 + has_table] if has_ht else None  # [Vt, K]
+    state_ref = refs[-1]  # VMEM scratch [Vt, K] float32
+    t = pl.program_id(3)
+
+    @pl.when(t == 0)
+    def _start():
+        state_ref[...] = jnp.zeros(state_ref.shape, jnp.float32)
+
+    @pl.when(first_ref[t] == 1)
+    def _reset():
+        if has_h0:
+            state_ref[...] = h0_ref[...].astype(jnp.float32)
+        else:
+            state_ref[...] = jnp.zeros(state_ref.shape, jnp.float32)
+
+    state = state_ref[...]
+    gate = make_gate(gate_mode, gate_ref[...], dtype, *table, products=True)
+    q, k, v = q_ref[...], k_ref[...], v_ref[...]
+    inter = dot(q.astype(jnp.float32) * gate.from_start(), state, NT, dtype)  # [C, Vt]
+    intra = causal_dot(gate.scores(q, k), v, dtype)  # a non-finite v_s reaches rows t >= s only
+    o_ref[...] = (scale * (inter + intra)).astype(o_ref.dtype)
+    k_decayed = k.astype(jnp.float32) * gate.to_end()  # [C, K]
+    state = state * gate.last_decay() + dot(v, k_decayed, TN, dtype)
+    state_ref[...] = state
+
+    if has_ht:
+
+        @pl.when(last_ref[t] == 1)
+        def _final():
+            ht_ref[...] = state
+
+
+def chunk_fwd(q, k, v, gate, h0, meta, *, specs: ChunkSpecs, scale: float, output_final_state: bool, interpret: bool):
+    """Outputs of every chunk and the final states.
+
+    Args:
+      q, k: [B, H, Tp, K] (Tp = NT * C, K a multiple of 128); v: [B, H, Tp, V].
+      gate: per-step log decays, float32: "scalar" mode [B, H, NT, 1, C] or "key" mode [B, H, Tp, K].
+      h0: [N, H, V, K] float32 or None (N = B * specs.states_per_row).
+      meta: `ChunkMeta` (first/last/sequence per chunk).
+      specs: V-tiled block shapes and index maps of this call.
+      output_final_state: also return the final states.
+
+    Returns:
+      (o [B, H, Tp, V] in v's dtype, ht [N, H, V, K] float32 or None). Under `jax.vmap` the
+      mapped axis folds into B and N (`gla_core.pallas_transforms.fold_vmap`).
+    """
+    launch = functools.partial(
+        _launch, specs=specs, scale=scale, output_final_state=output_final_state, interpret=interpret
+    )
+    args = (q, k, v, gate, h0, meta.first, meta.last, meta.sequence)
+    return fold_vmap(launch, args, in_axes=(0, 0, 0, 0, 0, None, None, None), out_axes=0)
+
+
+def _launch(q, k, v, gate, h0, first, last, sequence, *, specs, scale, output_final_state, interpret):
+    kernel = functools.partial(
+        _fwd_kernel,
+        gate_mode=specs.gate_mode,
+        has_h0=h0 is not None,
+        has_ht=output_final_state,
+        scale=scale,
+        dtype=mxu_dtype(q.dtype),
+    )
+    args = (q, k, v, gate, h0, first, last, sequence)
+    return launch_output_pass(
+        "chunk_fwd", kernel, *args, specs=specs, state_out=output_final_state, interpret=interpret
+    )
