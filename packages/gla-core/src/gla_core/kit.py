@@ -26,7 +26,8 @@ The shared Pallas chunk kernels (simple_gla / gla) and their pieces
   floor_gates, intra_costs, empty_attention, has_no_tokens, and the in-kernel helpers dot, NN, NT,
   TN (and BATCHED_NN, BATCHED_NT, BATCHED_TN over a leading batch axis), mxu_dtype, causal_dot,
   row_to_column, column_to_row, compiler_params, cost_estimate;
-  the tile options of their implementations: BLOCK_V_OPTION, BLOCK_K_OPTION, block_sizes_of
+  the tile options of their implementations: BLOCK_V_OPTION, BLOCK_K_OPTION, BLOCK_CHUNKS_OPTION,
+  block_sizes_of
 Kernels on the op's own token-major layout (no transposed copies)
   merge_heads, split_heads (the free [B, T*H, D] view), HeadRows, heads_per_group (per-head rows of a block),
   chunk_cumsum, two_sum, floor_cumsum_gates, CUMSUM_GATE_FLOOR (compensated in-kernel cumulative log decays)
@@ -46,6 +47,7 @@ from gla_core.chunk.common import (
     BATCHED_NN,
     BATCHED_NT,
     BATCHED_TN,
+    BLOCK_CHUNKS_OPTION,
     BLOCK_K_OPTION,
     BLOCK_V_OPTION,
     DEFAULT_BLOCK_SIZES,
@@ -121,6 +123,7 @@ __all__ = [
     "BATCHED_NN",
     "BATCHED_NT",
     "BATCHED_TN",
+    "BLOCK_CHUNKS_OPTION",
     "BLOCK_K_OPTION",
     "BLOCK_V_OPTION",
     "CHUNK_SIZES",

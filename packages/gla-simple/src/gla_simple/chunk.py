@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gla_core
 from gla_core.kit import (
+    BLOCK_CHUNKS_OPTION,
     BLOCK_K_OPTION,
     BLOCK_V_OPTION,
     block_sizes_of,
@@ -21,7 +22,7 @@ IMPLEMENTATION = "chunk"
 
 PRIORITY = 100
 BACKENDS = frozenset({"tpu"})
-BLOCK_OPTIONS = (BLOCK_V_OPTION, BLOCK_K_OPTION)
+BLOCK_OPTIONS = (BLOCK_V_OPTION, BLOCK_K_OPTION, BLOCK_CHUNKS_OPTION)
 
 
 def gates_of(args) -> dict:

@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 
 from gla_core.chunk.common import TN, dot, mxu_dtype
 from gla_core.chunk.gates import make_gate
-from gla_core.chunk.launch import launch_state_pass
+from gla_core.chunk.launch import carry_in, launch_state_pass
 from gla_core.chunk.specs import ChunkSpecs
 from gla_core.pallas_transforms import fold_vmap
 
@@ -35,18 +35,7 @@ def _bwd_dh_kernel(first_ref, last_ref, seq_ref, *refs, gate_mode, has_dht, has_
     grad_ref = outs[-1]  # VMEM scratch [Vt, K] float32
     step = pl.program_id(3)
     c = num_chunks - 1 - step
-
-    @pl.when(step == 0)
-    def _start():
-        grad_ref[...] = jnp.zeros(grad_ref.shape, jnp.float32)
-
-    @pl.when(last_ref[c] == 1)
-    def _reset():
-        if has_dht:
-            grad_ref[...] = dht_ref[...].astype(jnp.float32)
-        else:
-            grad_ref[...] = jnp.zeros(grad_ref.shape, jnp.float32)
-
+    carry_in(grad_ref, step, last_ref[c] == 1, dht_ref)
     grad = grad_ref[...]
     dh_ref[...] = grad
     gate = make_gate(gate_mode, gate_ref[...], dtype, *table, products=False)

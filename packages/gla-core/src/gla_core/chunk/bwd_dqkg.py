@@ -24,6 +24,7 @@ from jax.experimental import pallas as pl
 
 from gla_core.chunk.common import NN, NT, chunk_iota, compiler_params, cost_estimate, dot, mxu_dtype
 from gla_core.chunk.gates import intra_costs, make_gate, mask_table_inputs
+from gla_core.chunk.launch import for_each_chunk
 from gla_core.chunk.specs import ChunkSpecs
 from gla_core.pallas_transforms import fold_vmap
 from gla_core.tpu import interpret_params
@@ -97,11 +98,12 @@ def _launch(q, k, v, do, gate, h, dh, *, specs: ChunkSpecs, scale: float, dtype,
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype), gate_grad_shape]
     kernel = functools.partial(_bwd_dqkg_kernel, gate_mode=specs.gate_mode, scale=scale, dtype=dtype)
     table, table_spec = mask_table_inputs(specs.gate_mode, c)
+    gate_kind = "r" if specs.gate_mode == "key" else "c"
     flops, transcendentals = intra_costs(specs.gate_mode, c, specs.block_k, products=2)
     flops = b * hh * nk * nt * flops + b * hh * (6 * tp * kdim * vdim + 2 * tp * c * vdim * nk)
     with jax.named_scope("chunk_bwd_dqkg"):
         return pl.pallas_call(
-            kernel,
+            for_each_chunk(kernel, specs, "rrrr" + gate_kind + "cc" + "s" * len(table) + "rr" + gate_kind),
             out_shape=out_shape,
             grid=specs.grid(b, hh),
             in_specs=[

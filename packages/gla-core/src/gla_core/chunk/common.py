@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from gla_core.options import ImplOptions, Option, multiple_of
+from gla_core.options import ImplOptions, Option, multiple_of, positive_int
 from gla_core.tpu import NUM_LANES
 
 NN = (((1,), (0,)), ((), ()))  # a @ b
@@ -35,18 +35,24 @@ class BlockSizes:
       block_v: the largest value-dimension tile of the kernels that tile V (fwd, fwd_h,
         bwd_dh, bwd_dv; they see all of K).
       block_k: the largest key-dimension tile of the dq/dk/dgate kernel (it sees all of V).
+      block_chunks: the most chunks of one grid step of the parallel backward kernels (dv and
+        dq/dk/dgate): a grid step costs ~350 cycles of its own (libtpu's static estimate, v6e),
+        a fifth of a chunk's work in those kernels at C = 64.
     A padded dimension (a multiple of 128) is split into the largest multiple of 128 lanes
     that is <= the block size and divides it.
     """
 
     block_v: int = 256
     block_k: int = 256
+    block_chunks: int = 4
 
     def __post_init__(self):
         for name in ("block_v", "block_k"):
             value = getattr(self, name)
             if value < NUM_LANES or value % NUM_LANES:
                 raise ValueError(f"{name}: expected a positive multiple of {NUM_LANES}, got {value}")
+        if self.block_chunks < 1:
+            raise ValueError(f"block_chunks: expected a positive number of chunks, got {self.block_chunks}")
 
     def value_tile(self, padded_value_dim: int) -> int:
         """The V tile for a padded value dimension (a multiple of 128)."""
@@ -72,13 +78,21 @@ BLOCK_V_OPTION = Option(
 BLOCK_K_OPTION = Option(
     "block_k", DEFAULT_BLOCK_SIZES.block_k, multiple_of("block_k", NUM_LANES), "largest K tile (dq, dk, dgate)"
 )
+BLOCK_CHUNKS_OPTION = Option(
+    "block_chunks",
+    DEFAULT_BLOCK_SIZES.block_chunks,
+    positive_int("block_chunks"),
+    "most chunks per grid step (dv, dq, dk, dgate)",
+)
 
 
 def block_sizes_of(options: ImplOptions) -> BlockSizes:
-    """The tiles a call's options ask for (`BLOCK_V_OPTION`, `BLOCK_K_OPTION`), defaults for the others."""
+    """The tiles a call's options ask for (`BLOCK_V_OPTION`, `BLOCK_K_OPTION`, `BLOCK_CHUNKS_OPTION`),
+    defaults for the others."""
     return BlockSizes(
         block_v=options.get("block_v", DEFAULT_BLOCK_SIZES.block_v),
         block_k=options.get("block_k", DEFAULT_BLOCK_SIZES.block_k),
+        block_chunks=options.get("block_chunks", DEFAULT_BLOCK_SIZES.block_chunks),
     )
 
 

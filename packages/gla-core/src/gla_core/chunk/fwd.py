@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 
 from gla_core.chunk.common import NT, TN, causal_dot, dot, mxu_dtype
 from gla_core.chunk.gates import make_gate
-from gla_core.chunk.launch import launch_output_pass
+from gla_core.chunk.launch import carry_in, launch_output_pass
 from gla_core.chunk.specs import ChunkSpecs
 from gla_core.pallas_transforms import fold_vmap
 
@@ -35,18 +35,7 @@ def _fwd_kernel(first_ref, last_ref, seq_ref, *refs, gate_mode, has_h0, has_ht, 
     ht_ref = refs[5 + has_h0 + has_table] if has_ht else None  # [Vt, K]
     state_ref = refs[-1]  # VMEM scratch [Vt, K] float32
     t = pl.program_id(3)
-
-    @pl.when(t == 0)
-    def _start():
-        state_ref[...] = jnp.zeros(state_ref.shape, jnp.float32)
-
-    @pl.when(first_ref[t] == 1)
-    def _reset():
-        if has_h0:
-            state_ref[...] = h0_ref[...].astype(jnp.float32)
-        else:
-            state_ref[...] = jnp.zeros(state_ref.shape, jnp.float32)
-
+    carry_in(state_ref, t, first_ref[t] == 1, h0_ref)
     state = state_ref[...]
     gate = make_gate(gate_mode, gate_ref[...], dtype, *table, products=True)
     q, k, v = q_ref[...], k_ref[...], v_ref[...]

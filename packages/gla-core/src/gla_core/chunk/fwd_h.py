@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 
 from gla_core.chunk.common import TN, dot, mxu_dtype
 from gla_core.chunk.gates import make_gate
-from gla_core.chunk.launch import launch_state_pass
+from gla_core.chunk.launch import carry_in, launch_state_pass
 from gla_core.chunk.specs import ChunkSpecs
 from gla_core.pallas_transforms import fold_vmap
 
@@ -33,18 +33,7 @@ def _fwd_h_kernel(first_ref, last_ref, seq_ref, *refs, gate_mode, has_h0, has_ht
     ht_ref = outs[1] if has_ht else None  # [Vt, K]
     state_ref = outs[-1]  # VMEM scratch [Vt, K] float32
     t = pl.program_id(3)
-
-    @pl.when(t == 0)
-    def _start():
-        state_ref[...] = jnp.zeros(state_ref.shape, jnp.float32)
-
-    @pl.when(first_ref[t] == 1)
-    def _reset():
-        if has_h0:
-            state_ref[...] = h0_ref[...].astype(jnp.float32)
-        else:
-            state_ref[...] = jnp.zeros(state_ref.shape, jnp.float32)
-
+    carry_in(state_ref, t, first_ref[t] == 1, h0_ref)
     state = state_ref[...]
     h_ref[...] = state
     gate = make_gate(gate_mode, gate_ref[...], dtype, *table, products=False)

@@ -26,6 +26,45 @@ from gla_core.chunk.specs import ChunkSpecs
 from gla_core.tpu import interpret_params
 
 
+def for_each_chunk(kernel, specs: ChunkSpecs, kinds: str):
+    """A kernel written for one chunk, run for each of the n chunks of a grid step
+    (`specs.chunks_per_step`). `kinds` has one letter per ref: "r" a time block `[n*C, ...]`
+    (the chunk's rows are passed), "c" a per-chunk block `[n, ...]` (the chunk's entry), "s"
+    shared by the chunks (the gate's mask table)."""
+    n, c = specs.chunks_per_step, specs.chunk
+    if n == 1:
+        return kernel
+
+    def view(ref, kind: str, chunk: int):
+        if kind == "r":
+            return ref.at[pl.ds(chunk * c, c)]
+        return ref.at[chunk] if kind == "c" else ref
+
+    def run(*refs):
+        if len(refs) != len(kinds):
+            raise ValueError(f"kinds: {len(kinds)} letters for {len(refs)} refs")
+        for chunk in range(n):
+            kernel(*(view(ref, kind, chunk) for ref, kind in zip(refs, kinds, strict=True)))
+
+    return run
+
+
+def carry_in(state_ref, step, starts, initial_ref) -> None:
+    """The state a sequential walk carries, at its first grid step (zero) and where `starts`
+    (a new sequence): `initial_ref` (float32) or zero."""
+
+    @pl.when(step == 0)
+    def _start():
+        state_ref[...] = jnp.zeros(state_ref.shape, jnp.float32)
+
+    @pl.when(starts)
+    def _reset():
+        if initial_ref is not None:
+            state_ref[...] = initial_ref[...].astype(jnp.float32)
+        else:
+            state_ref[...] = jnp.zeros(state_ref.shape, jnp.float32)
+
+
 def launch_state_pass(
     name: str,
     kernel,
@@ -152,7 +191,7 @@ def _sequential_call(
             kernel,
             out_shape=out_shape,
             grid_spec=pltpu.PrefetchScalarGridSpec(
-                num_scalar_prefetch=3,
+                num_scalar_prefetch=len(meta),
                 grid=specs.grid(*inputs[0].shape[:2]),
                 in_specs=in_specs,
                 out_specs=out_specs,
@@ -179,8 +218,8 @@ def launch_value_pass(
     out_dtype,
     interpret: bool,
 ) -> jax.Array:
-    """Runs `kernel(q, k, value, gate, states, [table], out)` over (B, H, V tiles, chunks), all parallel
-    (`table`: the `KeyMaskTable` of a per-key gate).
+    """Runs `kernel(q, k, value, gate, states, [table], out)` for every chunk, over (B, H, V tiles,
+    time blocks) all parallel (`table`: the `KeyMaskTable` of a per-key gate; `for_each_chunk`).
 
     q, k [B, H, Tp, K]; value [B, H, Tp, V]; states [B, H, NT, V, K] float32 (one per chunk).
     Returns [B, H, Tp, V] in `out_dtype`.
@@ -193,9 +232,10 @@ def launch_value_pass(
     flops = b * hh * nv * nt * (flops + 2 * c * kdim * specs.block_v + 2 * c * c * specs.block_v)
     transcendentals = b * hh * nv * nt * transcendentals
     table, table_spec = mask_table_inputs(specs.gate_mode, c)
+    gate_kind = "r" if specs.gate_mode == "key" else "c"
     with jax.named_scope(name):
         return pl.pallas_call(
-            kernel,
+            for_each_chunk(kernel, specs, "rrr" + gate_kind + "c" + "s" * len(table) + "r"),
             out_shape=out_shape,
             grid=specs.grid(b, hh),
             in_specs=[specs.key(), specs.key(), specs.value(), specs.gate(), specs.chunk_state(), *table_spec],

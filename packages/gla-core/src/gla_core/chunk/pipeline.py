@@ -117,9 +117,14 @@ class ChunkConfig:
             states_per_row=geo.states_per_row,
         )
 
+    def dv_specs(self) -> ChunkSpecs:
+        """Specs of the dv kernel: V tiled, all of K, several chunks per grid step."""
+        return self.specs().with_chunks_per_step(self.block_sizes.block_chunks)
+
     def dqkg_specs(self) -> ChunkSpecs:
-        """Specs of the dq/dk/dgate kernel: K tiled, all of V."""
-        return self.specs().key_tiled(self.block_sizes.key_tile(self.geometry.padded_key_dim))
+        """Specs of the dq/dk/dgate kernel: K tiled, all of V, several chunks per grid step."""
+        specs = self.specs().key_tiled(self.block_sizes.key_tile(self.geometry.padded_key_dim))
+        return specs.with_chunks_per_step(self.block_sizes.block_chunks)
 
 
 @jax.tree_util.register_dataclass
@@ -209,7 +214,8 @@ def _backward(config: ChunkConfig, x: KernelInputs, cotangents):
         need_dh0=h0 is not None,
         interpret=interpret,
     )
-    dv = chunk_bwd_dv(qk, kk, dok, gate, dh, specs=specs, scale=scale, dtype=qk.dtype, interpret=interpret)
+    dv_specs = config.dv_specs()
+    dv = chunk_bwd_dv(qk, kk, dok, gate, dh, specs=dv_specs, scale=scale, dtype=qk.dtype, interpret=interpret)
     dq, dk, da = chunk_bwd_dqkg(
         qk,
         kk,

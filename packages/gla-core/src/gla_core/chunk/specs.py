@@ -29,6 +29,9 @@ class ChunkSpecs:
       reverse: the time grid axis runs from the last chunk to the first.
       states_per_row: per-sequence states of one batch row (1 for fixed length, N for varlen):
         a chunk's state is row `b * states_per_row + sequence` of the `[N, ...]` states.
+      chunks_per_step: n, consecutive chunks of one grid step (a divisor of NT): time blocks
+        are `[n*C, D]`, per-chunk blocks `[n, ...]` (`launch.for_each_chunk` runs the kernel
+        per chunk). 1 keeps single-chunk blocks without the chunk axis.
     """
 
     gate_mode: str
@@ -41,12 +44,15 @@ class ChunkSpecs:
     tiled: str = "v"
     reverse: bool = False
     states_per_row: int = 1
+    chunks_per_step: int = 1
 
     def __post_init__(self):
         untiled_block = self.block_k if self.tiled == "v" else self.block_v
         untiled_dim = self.key_dim if self.tiled == "v" else self.value_dim
         if untiled_block != untiled_dim:
             raise ValueError(f"tiled={self.tiled!r}: the other feature dimension must be one block")
+        if self.num_chunks % self.chunks_per_step:
+            raise ValueError(f"chunks_per_step: {self.chunks_per_step} must divide the {self.num_chunks} chunks")
 
     @classmethod
     def value_tiled(
@@ -68,6 +74,11 @@ class ChunkSpecs:
         """The same call, tiling K (all of V in every block)."""
         return dataclasses.replace(self, block_k=block_k, block_v=self.value_dim, tiled="k")
 
+    def with_chunks_per_step(self, most: int) -> ChunkSpecs:
+        """The same call with the largest number of chunks per grid step that divides NT and is <= `most`."""
+        steps = max(d for d in range(1, min(most, self.num_chunks) + 1) if self.num_chunks % d == 0)
+        return dataclasses.replace(self, chunks_per_step=steps)
+
     def reversed(self) -> ChunkSpecs:
         """The same call, walking time backwards."""
         return dataclasses.replace(self, reverse=True)
@@ -77,38 +88,47 @@ class ChunkSpecs:
         """Size of the third grid axis."""
         return self.value_dim // self.block_v if self.tiled == "v" else self.key_dim // self.block_k
 
+    @property
+    def num_steps(self) -> int:
+        """Grid steps along time, NT / n."""
+        return self.num_chunks // self.chunks_per_step
+
     def grid(self, batch: int, heads: int) -> tuple[int, int, int, int]:
-        """(B, H, NF, NT)."""
-        return batch, heads, self.num_tiles, self.num_chunks
+        """(B, H, NF, NT / n)."""
+        return batch, heads, self.num_tiles, self.num_steps
+
+    def _per_chunk(self, *block: int) -> tuple:
+        """A per-chunk block: the chunk axis squeezed for one chunk per step, n wide otherwise."""
+        return (None if self.chunks_per_step == 1 else self.chunks_per_step, *block)
 
     def _position(self, indices):
-        """(batch, head, V tile, K tile, chunk) of a grid point; trailing prefetch refs are ignored."""
+        """(batch, head, V tile, K tile, time block) of a grid point; trailing prefetch refs are ignored."""
         b, h, tile, t = indices[:4]
-        chunk = self.num_chunks - 1 - t if self.reverse else t
+        chunk = self.num_steps - 1 - t if self.reverse else t
         if self.tiled == "v":
             return b, h, tile, 0, chunk
         return b, h, 0, tile, chunk
 
     def key(self) -> pl.BlockSpec:
-        """q, k, dq, dk or a per-key gate: [C, Kt] of [B, H, Tp, K]."""
+        """q, k, dq, dk or a per-key gate: [n*C, Kt] of [B, H, Tp, K]."""
 
         def key_index(*indices):
             b, h, _, kt, c = self._position(indices)
             return b, h, c, kt
 
-        return pl.BlockSpec((None, None, self.chunk, self.block_k), key_index)
+        return pl.BlockSpec((None, None, self.chunk * self.chunks_per_step, self.block_k), key_index)
 
     def value(self) -> pl.BlockSpec:
-        """v, o, do or dv: [C, Vt] of [B, H, Tp, V]."""
+        """v, o, do or dv: [n*C, Vt] of [B, H, Tp, V]."""
 
         def value_index(*indices):
             b, h, vt, _, c = self._position(indices)
             return b, h, c, vt
 
-        return pl.BlockSpec((None, None, self.chunk, self.block_v), value_index)
+        return pl.BlockSpec((None, None, self.chunk * self.chunks_per_step, self.block_v), value_index)
 
     def gate(self) -> pl.BlockSpec:
-        """The per-step log decays of a chunk: [1, C] of [B, H, NT, 1, C] or [C, Kt] of [B, H, Tp, K]."""
+        """The per-step log decays: [(n,) 1, C] of [B, H, NT, 1, C] or [n*C, Kt] of [B, H, Tp, K]."""
         if self.gate_mode == "key":
             return self.key()
 
@@ -116,28 +136,31 @@ class ChunkSpecs:
             b, h, _, _, c = self._position(indices)
             return b, h, c, 0, 0
 
-        return pl.BlockSpec((None, None, None, 1, self.chunk), scalar_gate_index)
+        return pl.BlockSpec((None, None, *self._per_chunk(1, self.chunk)), scalar_gate_index)
 
     def scalar_gate_partial(self) -> pl.BlockSpec:
-        """A scalar-gate gradient per K tile: [1, C] of [B, H, NK, NT, 1, C] (summed over NK outside)."""
+        """A scalar-gate gradient per K tile: [(n,) 1, C] of [B, H, NK, NT, 1, C] (summed over NK outside)."""
 
         def scalar_gate_partial_index(*indices):
             b, h, _, kt, c = self._position(indices)
             return b, h, kt, c, 0, 0
 
-        return pl.BlockSpec((None, None, None, None, 1, self.chunk), scalar_gate_partial_index)
+        return pl.BlockSpec((None, None, None, *self._per_chunk(1, self.chunk)), scalar_gate_partial_index)
 
     def chunk_state(self) -> pl.BlockSpec:
-        """A per-chunk state: [Vt, Kt] of [B, H, NT, V, K]."""
+        """A per-chunk state: [(n,) Vt, Kt] of [B, H, NT, V, K]."""
 
         def chunk_state_index(*indices):
             b, h, vt, kt, c = self._position(indices)
             return b, h, c, vt, kt
 
-        return pl.BlockSpec((None, None, None, self.block_v, self.block_k), chunk_state_index)
+        return pl.BlockSpec((None, None, *self._per_chunk(self.block_v, self.block_k)), chunk_state_index)
 
     def state_of_sequence(self) -> pl.BlockSpec:
-        """The state of the sequence owning the chunk: [Vt, Kt] of [N, H, V, K] (needs scalar prefetch)."""
+        """The state of the sequence owning the chunk: [Vt, Kt] of [N, H, V, K] (needs scalar prefetch
+        and one chunk per step)."""
+        if self.chunks_per_step != 1:
+            raise ValueError("state_of_sequence: a per-sequence state needs one chunk per grid step")
 
         def sequence_state_index(*indices):
             b, h, vt, kt, c = self._position(indices)
