@@ -175,7 +175,12 @@ def test_fwd_h_states_and_final_state(problem, no_races, interpret):
     assert_close("final_state", final, problem.reference.outputs["final_state"], TOL.output)
 
 
-def test_fwd_outputs_and_final_state(problem, no_races, interpret):
+# One chunk per grid step, and all NT = 3 chunks of the problems in one step.
+CHUNKS_PER_STEP = (1, 3)
+
+
+@pytest.mark.parametrize("chunks_per_step", CHUNKS_PER_STEP)
+def test_fwd_outputs_and_final_state(problem, chunks_per_step, no_races, interpret):
     x, config = problem.inputs, problem.config
     o, ht = chunk_fwd(
         x.q,
@@ -184,7 +189,7 @@ def test_fwd_outputs_and_final_state(problem, no_races, interpret):
         x.gate,
         x.h0,
         x.meta,
-        specs=config.specs(),
+        specs=config.specs().with_chunks_per_step(chunks_per_step),
         scale=config.scale,
         output_final_state=True,
         interpret=interpret,
@@ -213,7 +218,8 @@ def test_bwd_dh_state_gradients(problem, no_races, interpret):
     assert_close("dinitial_state", d_initial, problem.reference.grads["dinitial_state"], TOL.grad)
 
 
-def test_bwd_dv(problem, interpret):
+@pytest.mark.parametrize("chunks_per_step", CHUNKS_PER_STEP)
+def test_bwd_dv(problem, chunks_per_step, interpret):
     x, config = problem.inputs, problem.config
     dh = _to_kernel_states(problem.state_grads, problem)
     dv = chunk_bwd_dv(
@@ -222,7 +228,7 @@ def test_bwd_dv(problem, interpret):
         problem.do,
         x.gate,
         dh,
-        specs=config.specs(),
+        specs=config.specs().with_chunks_per_step(chunks_per_step),
         scale=config.scale,
         dtype=jnp.float32,
         interpret=interpret,
@@ -231,12 +237,22 @@ def test_bwd_dv(problem, interpret):
     assert_close("dv", dv, problem.reference.grads["dv"], TOL.grad)
 
 
-def test_bwd_dqkg(problem, interpret):
+@pytest.mark.parametrize("chunks_per_step", CHUNKS_PER_STEP)
+def test_bwd_dqkg(problem, chunks_per_step, interpret):
     x, config = problem.inputs, problem.config
     h = _to_kernel_states(problem.states, problem)
     dh = _to_kernel_states(problem.state_grads, problem)
     dq, dk, da = chunk_bwd_dqkg(
-        x.q, x.k, x.v, problem.do, x.gate, h, dh, specs=config.dqkg_specs(), scale=config.scale, interpret=interpret
+        x.q,
+        x.k,
+        x.v,
+        problem.do,
+        x.gate,
+        h,
+        dh,
+        specs=config.dqkg_specs().with_chunks_per_step(chunks_per_step),
+        scale=config.scale,
+        interpret=interpret,
     )
     geo = config.geometry
     got = {

@@ -35,9 +35,9 @@ class BlockSizes:
       block_v: the largest value-dimension tile of the kernels that tile V (fwd, fwd_h,
         bwd_dh, bwd_dv; they see all of K).
       block_k: the largest key-dimension tile of the dq/dk/dgate kernel (it sees all of V).
-      block_chunks: the most chunks of one grid step of the parallel backward kernels (dv and
-        dq/dk/dgate): a grid step costs ~350 cycles of its own (libtpu's static estimate, v6e),
-        a fifth of a chunk's work in those kernels at C = 64.
+      block_chunks: the most chunks of one grid step of the forward (fixed-length inputs) and
+        of the parallel backward kernels (dv and dq/dk/dgate): a grid step costs ~350 cycles of
+        its own (libtpu's static estimate, v6e), a fifth of a chunk's work at C = 64.
     A padded dimension (a multiple of 128) is split into the largest multiple of 128 lanes
     that is <= the block size and divides it.
     """
@@ -82,7 +82,7 @@ BLOCK_CHUNKS_OPTION = Option(
     "block_chunks",
     DEFAULT_BLOCK_SIZES.block_chunks,
     positive_int("block_chunks"),
-    "most chunks per grid step (dv, dq, dk, dgate)",
+    "most chunks per grid step (forward, dv, dq, dk, dgate)",
 )
 
 

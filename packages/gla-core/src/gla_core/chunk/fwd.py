@@ -26,7 +26,9 @@ from gla_core.chunk.specs import ChunkSpecs
 from gla_core.pallas_transforms import fold_vmap
 
 
-def _fwd_kernel(first_ref, last_ref, seq_ref, *refs, gate_mode, has_h0, has_ht, scale, dtype):
+def _fwd_kernel(
+    first_ref, last_ref, seq_ref, *refs, gate_mode, has_h0, has_ht, scale, dtype, chunks_per_step, chunk_in_step
+):
     q_ref, k_ref, v_ref, gate_ref = refs[:4]  # [C, K], [C, K], [C, Vt], [1, C] or [C, K]
     h0_ref = refs[4] if has_h0 else None  # [Vt, K]
     has_table = gate_mode == "key"
@@ -34,7 +36,7 @@ def _fwd_kernel(first_ref, last_ref, seq_ref, *refs, gate_mode, has_h0, has_ht, 
     o_ref = refs[4 + has_h0 + has_table]  # [C, Vt]
     ht_ref = refs[5 + has_h0 + has_table] if has_ht else None  # [Vt, K]
     state_ref = refs[-1]  # VMEM scratch [Vt, K] float32
-    t = pl.program_id(3)
+    t = pl.program_id(3) * chunks_per_step + chunk_in_step  # the chunk
     carry_in(state_ref, t, first_ref[t] == 1, h0_ref)
     state = state_ref[...]
     gate = make_gate(gate_mode, gate_ref[...], dtype, *table, products=True)
@@ -61,7 +63,8 @@ def chunk_fwd(q, k, v, gate, h0, meta, *, specs: ChunkSpecs, scale: float, outpu
       gate: per-step log decays, float32: "scalar" mode [B, H, NT, 1, C] or "key" mode [B, H, Tp, K].
       h0: [N, H, V, K] float32 or None (N = B * specs.states_per_row).
       meta: `ChunkMeta` (first/last/sequence per chunk).
-      specs: V-tiled block shapes and index maps of this call.
+      specs: V-tiled block shapes and index maps of this call (several chunks per grid step only
+        for fixed-length inputs: one per-sequence state per batch row).
       output_final_state: also return the final states.
 
     Returns:
@@ -83,6 +86,7 @@ def _launch(q, k, v, gate, h0, first, last, sequence, *, specs, scale, output_fi
         has_ht=output_final_state,
         scale=scale,
         dtype=mxu_dtype(q.dtype),
+        chunks_per_step=specs.chunks_per_step,
     )
     args = (q, k, v, gate, h0, first, last, sequence)
     return launch_output_pass(

@@ -15,6 +15,8 @@ every chunk instead of the states.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -26,14 +28,15 @@ from gla_core.chunk.specs import ChunkSpecs
 from gla_core.tpu import interpret_params
 
 
-def for_each_chunk(kernel, specs: ChunkSpecs, kinds: str):
-    """A kernel written for one chunk, run for each of the n chunks of a grid step
+def for_each_chunk(kernel, specs: ChunkSpecs, kinds: str, pass_chunk: bool = False):
+    """A kernel written for one chunk, run for each of the n chunks of a grid step in order
     (`specs.chunks_per_step`). `kinds` has one letter per ref: "r" a time block `[n*C, ...]`
     (the chunk's rows are passed), "c" a per-chunk block `[n, ...]` (the chunk's entry), "s"
-    shared by the chunks (the gate's mask table)."""
+    shared by the chunks (scalar-prefetch refs, the gate's mask table, a carried state).
+    `pass_chunk`: the kernel also takes `chunk_in_step`, the chunk's index within the step."""
     n, c = specs.chunks_per_step, specs.chunk
     if n == 1:
-        return kernel
+        return functools.partial(kernel, chunk_in_step=0) if pass_chunk else kernel
 
     def view(ref, kind: str, chunk: int):
         if kind == "r":
@@ -44,7 +47,8 @@ def for_each_chunk(kernel, specs: ChunkSpecs, kinds: str):
         if len(refs) != len(kinds):
             raise ValueError(f"kinds: {len(kinds)} letters for {len(refs)} refs")
         for chunk in range(n):
-            kernel(*(view(ref, kind, chunk) for ref, kind in zip(refs, kinds, strict=True)))
+            views = (view(ref, kind, chunk) for ref, kind in zip(refs, kinds, strict=True))
+            kernel(*views, **({"chunk_in_step": chunk} if pass_chunk else {}))
 
     return run
 
@@ -125,8 +129,9 @@ def launch_output_pass(
     state_out: bool,
     interpret: bool,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """Runs `kernel(first, last, sequence, q, k, v, gate, [state_in], [table], o, [state_out], scratch)`:
-    the forward pass that carries the state along time and writes the outputs of every chunk.
+    """Runs `kernel(first, last, sequence, q, k, v, gate, [state_in], [table], o, [state_out], scratch,
+    chunk_in_step=)` for every chunk in order: the forward pass that carries the state along time
+    and writes the outputs of every chunk (several chunks per grid step, see `for_each_chunk`).
 
     Returns (o [B, H, Tp, V] in v's dtype, per-sequence states [N, H, V, K] float32 or None
     unless `state_out`).
@@ -134,6 +139,11 @@ def launch_output_pass(
     b, hh, _, kdim = q.shape
     nv, nt, c = specs.num_tiles, specs.num_chunks, specs.chunk
     gate_flops, transcendentals = intra_costs(specs.gate_mode, c, kdim, products=1)
+    gate_kind = "r" if specs.gate_mode == "key" else "c"
+    has_table = specs.gate_mode == "key"
+    # first, last, sequence; q, k, v, gate, [state_in], [table]; o, [state_out]; the carried state
+    kinds = "sss" + "rrr" + gate_kind + "s" * (state_in is not None) + "s" * has_table + "r" + "s" * state_out + "s"
+    kernel = for_each_chunk(kernel, specs, kinds, pass_chunk=True)
     per_chunk = 4 * c * kdim * specs.block_v + 2 * c * c * specs.block_v + 3 * kdim * specs.block_v
     return _sequential_call(
         name,

@@ -117,6 +117,12 @@ class ChunkConfig:
             states_per_row=geo.states_per_row,
         )
 
+    def fwd_specs(self) -> ChunkSpecs:
+        """Specs of the forward: as `specs`, with several chunks per grid step for fixed-length
+        inputs (packed sequences may start inside a step, and their states are block-indexed)."""
+        specs = self.specs()
+        return specs if self.geometry.varlen else specs.with_chunks_per_step(self.block_sizes.block_chunks)
+
     def dv_specs(self) -> ChunkSpecs:
         """Specs of the dv kernel: V tiled, all of K, several chunks per grid step."""
         return self.specs().with_chunks_per_step(self.block_sizes.block_chunks)
@@ -171,7 +177,7 @@ def kernel_inputs(config: ChunkConfig, q, k, v, g, g_gamma, gk, initial_state, c
 
 
 def _forward(config: ChunkConfig, q, k, v, g, g_gamma, gk, initial_state, cu_seqlens):
-    geo, specs = config.geometry, config.specs()
+    geo, specs = config.geometry, config.fwd_specs()
     x = kernel_inputs(config, q, k, v, g, g_gamma, gk, initial_state, cu_seqlens)
     o, ht = chunk_fwd(
         x.q,

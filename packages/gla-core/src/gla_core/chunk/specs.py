@@ -157,10 +157,10 @@ class ChunkSpecs:
         return pl.BlockSpec((None, None, *self._per_chunk(self.block_v, self.block_k)), chunk_state_index)
 
     def state_of_sequence(self) -> pl.BlockSpec:
-        """The state of the sequence owning the chunk: [Vt, Kt] of [N, H, V, K] (needs scalar prefetch
-        and one chunk per step)."""
-        if self.chunks_per_step != 1:
-            raise ValueError("state_of_sequence: a per-sequence state needs one chunk per grid step")
+        """The state of the sequence owning the chunk: [Vt, Kt] of [N, H, V, K] (needs scalar prefetch;
+        several chunks per grid step only with one sequence per batch row)."""
+        if self.chunks_per_step != 1 and self.states_per_row != 1:
+            raise ValueError("state_of_sequence: packed sequences need one chunk per grid step")
 
         def sequence_state_index(*indices):
             b, h, vt, kt, c = self._position(indices)
