@@ -19,9 +19,11 @@ import pytest
 import gla_core
 from gla_kda.pallas import chunk_math as cm
 from gla_kda.pallas import layout as kl
+from gla_kda.pallas.config import BlockSizes
 from gla_ref.testing import TOLERANCES, assert_close
 
 TOL = TOLERANCES["float32_building_block"].output
+BF16X3_TOL = TOLERANCES["bfloat16x3_product"].output
 C, S, K = 64, 16, 32
 
 
@@ -168,6 +170,33 @@ def test_unit_lower_inverse(unroll):
     a = np.tril(rng.uniform(-0.5, 0.5, size=(C, C)), -1)
     inverse = jax.jit(lambda x: cm.unit_lower_inverse(x, cm.SubBlocks(C, S), unroll))(jnp.asarray(a, jnp.float32))
     assert_close("(I + A)^-1", inverse, np.linalg.inv(np.eye(C) + a), TOL)
+
+
+@pytest.mark.parametrize("unroll", [False, True])
+def test_unit_lower_inverses_bf16_path(unroll):
+    """The bfloat16-input path solves with `dot_bf16x3`: each matrix as its own inverse, to ~2^-16."""
+    rng = np.random.default_rng(4)
+    mats = [np.tril(rng.uniform(-0.5, 0.5, size=(C, C)), -1) for _ in range(3)]
+    solve = jax.jit(lambda xs: cm.unit_lower_inverses(xs, cm.SubBlocks(C, S), unroll, jnp.bfloat16))
+    for a, inverse in zip(mats, solve([jnp.asarray(a, jnp.float32) for a in mats]), strict=True):
+        assert_close("(I + A)^-1 (bf16x3)", inverse, np.linalg.inv(np.eye(C) + a), BF16X3_TOL)
+
+
+@pytest.mark.parametrize(("trans_a", "trans_b"), [(False, False), (True, False), (False, True)])
+def test_dot_bf16x3(trans_a, trans_b):
+    """Three bfloat16 passes give a float32 product to ~2^-16 of max|ref| (one bfloat16 pass: ~2^-9)."""
+    rng = np.random.default_rng(6)
+    a, b = rng.standard_normal((C, 2 * C)), rng.standard_normal((2 * C, C))
+    a_in, b_in = (a.T if trans_a else a), (b.T if trans_b else b)
+    product = cm.dot_bf16x3(
+        jnp.asarray(a_in, jnp.float32), jnp.asarray(b_in, jnp.float32), trans_a=trans_a, trans_b=trans_b
+    )
+    assert_close("a @ b (bf16x3)", product, a @ b, BF16X3_TOL)
+
+
+@pytest.mark.parametrize(("num_chunks", "expected"), [(1, 1), (6, 6), (8, 8), (12, 6), (64, 8), (13, 1)])
+def test_chunks_per_step(num_chunks, expected):
+    assert BlockSizes(chunk_size=64, chunks_per_step=8).per_step(num_chunks) == expected
 
 
 @pytest.mark.parametrize("cu_seqlens", [None, [0, 5, 5, 70, 90]])

@@ -45,6 +45,31 @@ def dot(a, b, dtype, *, trans_a: bool = False, trans_b: bool = False):
     )
 
 
+def dot_bf16x3(a, b, *, trans_a: bool = False, trans_b: bool = False):
+    """`dot` of float32 a, b with float32 results from one bfloat16 product of three times the depth.
+
+    Each operand is split into bfloat16 parts x = x_hi + x_lo (+ ~2^-16 |x|); the products
+    hi*hi + lo*hi + hi*lo are exact and accumulate in float32, so the result carries a relative
+    error of about 2^-16 (what lo*lo and the rest of the splits would add): the precision the
+    bfloat16-input path needs of a float32 intermediate, at a sixth of the matrix-unit passes of
+    Precision.HIGHEST.
+    """
+    bf16 = jnp.bfloat16
+    a_hi, b_hi = a.astype(bf16), b.astype(bf16)
+    a_lo, b_lo = (a - a_hi.astype(F32)).astype(bf16), (b - b_hi.astype(F32)).astype(bf16)
+    a_parts = jnp.concatenate([a_hi, a_lo, a_hi], axis=0 if trans_a else 1)
+    b_parts = jnp.concatenate([b_hi, b_hi, b_lo], axis=1 if trans_b else 0)
+    return dot(a_parts, b_parts, bf16, trans_a=trans_a, trans_b=trans_b)
+
+
+def f32_dot(dtype):
+    """The float32 matrix product of a pipeline with `dtype` inputs: Precision.HIGHEST for float32
+    inputs, `dot_bf16x3` for bfloat16 inputs."""
+    if jnp.dtype(dtype) == F32:
+        return functools.partial(dot, dtype=F32)
+    return dot_bf16x3
+
+
 def iota(shape, axis: int):
     return jax.lax.broadcasted_iota(jnp.int32, shape, axis)
 
@@ -201,21 +226,23 @@ class Decays:
         row = self.sb.broadcast_row
         return self._difference(self.hi, self.lo, row(self.hi, jj), row(self.lo, jj))
 
-    def gate_grad(self, after, before, after_block, before_block):
+    def gate_grad(self, after, before, after_block, before_block, dtype=F32):
         """The gradient [C, K] with respect to the per-step log decays g of the chunk.
 
         Every argument is [C, K] float32, each term entering only the steps its exponent sums:
           dg_u = sum_{t >= u} after_t + sum_{t < u} before_t
                  + sum_{t >= u in u's sub-block} after_block_t + sum_{t < u in u's sub-block} before_block_t
         (G_t sums the decays up to t; G_last - G_t those after t; and the same inside a sub-block).
-        Float32 triangular matmuls; nothing is formed as a difference of sums.
+        Float32 triangular matmuls (`f32_dot` of inputs of `dtype`); nothing is formed as a
+        difference of sums.
         """
         c = self.sb.chunk
         u, t = iota((c, c), 0), iota((c, c), 1)
         same_block = self.sb.same_block()
         masks = (t >= u, t < u, (t >= u) & same_block, (t < u) & same_block)
         terms = (after, before, after_block, before_block)
-        return sum(dot(jnp.where(mask, 1.0, 0.0), term, F32) for mask, term in zip(masks, terms, strict=True))
+        mm = f32_dot(dtype)
+        return sum(mm(jnp.where(mask, 1.0, 0.0), term) for mask, term in zip(masks, terms, strict=True))
 
 
 def _masked_exp(diff, keep):
@@ -374,29 +401,37 @@ def gated_grads(pairs, col_op, decays: Decays, dtype, unroll: bool) -> GatedGrad
     )
 
 
-def unit_lower_inverse(a, sb: SubBlocks, unroll: bool):
-    """(I + A)^-1 for a strictly lower-triangular A [C, C] float32, by blocked forward substitution.
+def unit_lower_inverse(a, sb: SubBlocks, unroll: bool, dtype=F32):
+    """(I + A)^-1 for a strictly lower-triangular A [C, C] float32 (`unit_lower_inverses` of one)."""
+    return unit_lower_inverses([a], sb, unroll, dtype)[0]
+
+
+def unit_lower_inverses(mats, sb: SubBlocks, unroll: bool, dtype=F32):
+    """(I + A)^-1 for each strictly lower-triangular A [C, C] float32, by blocked forward substitution.
 
     Diagonal s x s blocks are eliminated row by row on the vector unit (all blocks at once),
-    then block rows are solved in order: T_b = T_bb (E_b - A_b,<b T_<b).
+    then block rows are solved in order: T_b = T_bb (E_b - A_b,<b T_<b), with the float32
+    products of inputs of `dtype` (`f32_dot`). Each stage runs over every matrix before the
+    next one starts, so the matrices' dependency chains interleave.
     """
     c = sb.chunk
-    a_diag = jnp.where(sb.same_block(), a, 0.0)
-    a_off = a - a_diag
+    mm = f32_dot(dtype)
+    a_diag = [jnp.where(sb.same_block(), a, 0.0) for a in mats]
+    a_off = [a - d for a, d in zip(mats, a_diag, strict=True)]
     identity = eye_mask(c).astype(F32)
     start = sb.start(c)
     col = iota((c, c), 1)
 
     # Right-looking elimination: once row p of every block is final, remove it from the rows below.
     def eliminate(p, inv_diag):
-        a_col = jnp.sum(jnp.where(col == start + p, a_diag, 0.0), axis=1, keepdims=True)
-        return inv_diag - a_col * sb.broadcast_row(inv_diag, p)
+        a_col = [jnp.sum(jnp.where(col == start + p, d, 0.0), axis=1, keepdims=True) for d in a_diag]
+        return [inv - ac * sb.broadcast_row(inv, p) for inv, ac in zip(inv_diag, a_col, strict=True)]
 
-    inv_diag = _loop(sb.sub - 1, eliminate, identity, unroll)
-    slabs = [sb.rows(inv_diag, r) for r in range(sb.count)]
+    inv_diag = _loop(sb.sub - 1, eliminate, [identity for _ in mats], unroll)
+    slabs = [[sb.rows(inv, r) for r in range(sb.count)] for inv in inv_diag]
     for r in range(1, sb.count):
-        current = jnp.concatenate(slabs, axis=0)
-        rhs = sb.rows(identity, r) - dot(sb.rows(a_off, r), current, F32)
-        padded = sb.stack([rhs if b == r else None for b in range(sb.count)], c)
-        slabs[r] = dot(sb.rows(inv_diag, r), padded, F32)
-    return slabs[0] if sb.count == 1 else jnp.concatenate(slabs, axis=0)
+        for own, off, inv in zip(slabs, a_off, inv_diag, strict=True):
+            rhs = sb.rows(identity, r) - mm(sb.rows(off, r), jnp.concatenate(own, axis=0))
+            padded = sb.stack([rhs if b == r else None for b in range(sb.count)], c)
+            own[r] = mm(sb.rows(inv, r), padded)
+    return [own[0] if sb.count == 1 else jnp.concatenate(own, axis=0) for own in slabs]

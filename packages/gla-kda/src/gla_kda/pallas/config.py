@@ -10,6 +10,8 @@ from jax.experimental.pallas import tpu as pltpu
 from gla_core.kit import NUM_SUBLANES, interpret_params
 
 DEFAULT_SUB_CHUNK = 16
+DEFAULT_CHUNKS_PER_STEP = 8
+DEFAULT_GRAD_CHUNKS_PER_STEP = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,10 +23,18 @@ class BlockSizes:
       sub_chunk: s, rows per sub-block. Decays inside a chunk are anchored at sub-block
         boundaries (no exponent is ever positive), and (I + Akk)^-1 is solved block by block.
         A multiple of 8 that divides C.
+      chunks_per_step: the most chunks one grid step processes (fewer per-step overheads;
+        in the parallel kernels, independent chains the scheduler interleaves). `per_step`
+        picks the largest divisor of the chunk count not above it; the sequential kernels take
+        one chunk per step when a batch row packs several sequences.
+      grad_chunks_per_step: the same for the per-chunk gradient kernel, which holds about twice
+        the VMEM per chunk (8 chunks of K = V = 128 take 14.8 MiB of v5e's 16 MiB scoped VMEM).
     """
 
     chunk_size: int = 64
     sub_chunk: int = DEFAULT_SUB_CHUNK
+    chunks_per_step: int = DEFAULT_CHUNKS_PER_STEP
+    grad_chunks_per_step: int = DEFAULT_GRAD_CHUNKS_PER_STEP
 
     def __post_init__(self):
         if self.sub_chunk % NUM_SUBLANES or self.chunk_size % self.sub_chunk:
@@ -32,6 +42,9 @@ class BlockSizes:
                 f"sub_chunk: expected a multiple of {NUM_SUBLANES} dividing chunk_size={self.chunk_size}, "
                 f"got {self.sub_chunk}"
             )
+        for name in ("chunks_per_step", "grad_chunks_per_step"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected a positive count, got {getattr(self, name)}")
 
     @classmethod
     def for_chunk(cls, chunk_size: int) -> BlockSizes:
@@ -41,6 +54,12 @@ class BlockSizes:
     @property
     def num_sub_chunks(self) -> int:
         return self.chunk_size // self.sub_chunk
+
+    def per_step(self, num_chunks: int, most: int | None = None) -> int:
+        """Chunks per grid step for a sequence of `num_chunks` chunks: a divisor of it, at most
+        `most` (default `chunks_per_step`)."""
+        most = self.chunks_per_step if most is None else most
+        return max(n for n in range(1, min(most, num_chunks) + 1) if num_chunks % n == 0)
 
 
 @dataclasses.dataclass(frozen=True)

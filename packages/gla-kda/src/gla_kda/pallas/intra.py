@@ -22,17 +22,24 @@ from gla_kda.pallas.config import KernelConfig, compiler_params
 
 
 def intra_kernel(q_ref, k_ref, g_ref, g_lo_ref, beta_ref, tinv_ref, aqk_ref, *, config: KernelConfig):
-    """Blocks: q, k, g, g_lo (sub-block-local decay cumsum, hi and lo parts) [C, K]; beta [1, C];
-    outputs tinv, aqk [C, C] float32."""
+    """Blocks of n chunks: q, k, g, g_lo (sub-block-local decay cumsum, hi and lo parts) [n*C, K];
+    beta [n, 1, C]; outputs tinv, aqk [n*C, C] float32.
+
+    The chunks are independent; their (I + Akk)^-1 are solved together (`unit_lower_inverses`)
+    so that the serial chains of the substitution interleave.
+    """
     sb = cm.SubBlocks(config.blocks.chunk_size, config.blocks.sub_chunk)
-    q = q_ref[...].astype(cm.F32) * config.scale
-    k = k_ref[...].astype(cm.F32)
-    decays = cm.Decays(g_ref[...], sb, g_lo_ref[...])
-    beta = row_to_column(beta_ref[...])
-    kk, qk = cm.gated_scores([k, q], k, decays, config.mxu_dtype, config.unroll)
-    akk = jnp.where(cm.lower_mask(sb.chunk, strict=True), beta * kk, 0.0)
-    tinv_ref[...] = cm.unit_lower_inverse(akk, sb, config.unroll)
-    aqk_ref[...] = qk
+    chunks = [pl.ds(n * sb.chunk, sb.chunk) for n in range(beta_ref.shape[0])]
+    strict = cm.lower_mask(sb.chunk, strict=True)
+    akks = []
+    for n, rows in enumerate(chunks):
+        q = q_ref[rows, :].astype(cm.F32) * config.scale
+        k = k_ref[rows, :].astype(cm.F32)
+        decays = cm.Decays(g_ref[rows, :], sb, g_lo_ref[rows, :])
+        kk, aqk_ref[rows, :] = cm.gated_scores([k, q], k, decays, config.mxu_dtype, config.unroll)
+        akks.append(jnp.where(strict, row_to_column(beta_ref[n]) * kk, 0.0))
+    for rows, tinv in zip(chunks, cm.unit_lower_inverses(akks, sb, config.unroll, config.mxu_dtype), strict=True):
+        tinv_ref[rows, :] = tinv
 
 
 def qk_index(b, j, t, *_, group: int):
@@ -76,19 +83,21 @@ def _launch_intra(q, k, g, g_lo, beta, *, config: KernelConfig):
     batch, heads, padded_len, key_dim = g.shape
     c = config.blocks.chunk_size
     num_chunks = padded_len // c
-    qk_spec = pl.BlockSpec((None, None, c, key_dim), functools.partial(qk_index, group=config.group))
-    out_spec = pl.BlockSpec((None, None, c, c), head_index)
+    per_step = config.blocks.per_step(num_chunks)
+    rows = per_step * c
+    qk_spec = pl.BlockSpec((None, None, rows, key_dim), functools.partial(qk_index, group=config.group))
+    out_spec = pl.BlockSpec((None, None, rows, c), head_index)
     out_shape = jax.ShapeDtypeStruct((batch, heads, padded_len, c), jnp.float32)
     with jax.named_scope("kda_intra"):
         return pl.pallas_call(
             functools.partial(intra_kernel, config=config),
-            grid=(batch, heads, num_chunks),
+            grid=(batch, heads, num_chunks // per_step),
             in_specs=[
                 qk_spec,
                 qk_spec,
-                pl.BlockSpec((None, None, c, key_dim), head_index),
-                pl.BlockSpec((None, None, c, key_dim), head_index),
-                pl.BlockSpec((None, None, None, 1, c), beta_index),
+                pl.BlockSpec((None, None, rows, key_dim), head_index),
+                pl.BlockSpec((None, None, rows, key_dim), head_index),
+                pl.BlockSpec((None, None, per_step, 1, c), beta_index),
             ],
             out_specs=[out_spec, out_spec],
             out_shape=[out_shape, out_shape],

@@ -16,6 +16,7 @@ those terms are ~35x dg, and their rounding swamped dg (and dA_log, which sums d
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -47,69 +48,132 @@ def intra_bwd_kernel(
     *,
     config: KernelConfig,
 ):
-    """Blocks: q, k, g, g_lo (sub-block-local decay cumsum, hi and lo parts) [C, K]; v, ddelta, do [C, V]; beta [1, C];
-    tinv [C, C]; h, dstate [K, V].
+    """Blocks of n chunks: q, k, g, g_lo (sub-block-local decay cumsum, hi and lo parts) [n*C, K];
+    v, ddelta, do [n*C, V]; beta [n, 1, C]; tinv [n*C, C]; h, dstate [n*K, V].
 
-    Outputs (float32): dq, dk, dg [C, K] (dq per value head, already multiplied by scale; dg with
-    respect to the per-step log decays); dv [C, V]; dbeta [1, C].
+    Outputs (float32): dq, dk, dg [n*C, K] (dq per value head, already multiplied by scale; dg with
+    respect to the per-step log decays); dv [n*C, V]; dbeta [n, 1, C]. The chunks are independent.
+    """
+    c, key_dim = config.blocks.chunk_size, q_ref.shape[-1]
+    chunks = range(beta_ref.shape[0])
+    products = []
+    for n in chunks:
+        rows, states = pl.ds(n * c, c), pl.ds(n * key_dim, key_dim)
+        products.append(
+            chunk_products(
+                q_ref[rows, :].astype(cm.F32) * config.scale,
+                k_ref[rows, :].astype(cm.F32),
+                v_ref[rows, :].astype(cm.F32),
+                (g_ref[rows, :], g_lo_ref[rows, :]),
+                row_to_column(beta_ref[n]),
+                tinv_ref[rows, :],
+                h_ref[states, :].astype(cm.F32),
+                dstate_ref[states, :].astype(cm.F32),
+                ddelta_ref[rows, :].astype(cm.F32),
+                do_ref[rows, :].astype(cm.F32),
+                config,
+            )
+        )
+    # Second stage once every chunk's products are issued: the chunks' chains interleave.
+    for n, chunk in zip(chunks, products, strict=True):
+        rows = pl.ds(n * c, c)
+        dq, dk, dv, dbeta, dg = chunk_grads(chunk, config)
+        dq_ref[rows, :] = dq * config.scale
+        dk_ref[rows, :] = dk
+        dv_ref[rows, :] = dv
+        dbeta_ref[n] = column_to_row(dbeta)
+        dg_ref[rows, :] = dg
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkProducts:
+    """One chunk's inputs and the matrix products of its gradient before the gated scores' (all float32).
+
+    q (scaled), k, decay = exp(G), to_end = exp(G_last - G), d_q_decayed, d_k_decayed, d_k_to_end
+    [C, K]; projected = v - k exp(G) S, dy [C, V]; beta [C, 1]; state, dstate [K, V]; d_akk,
+    d_aqk [C, C] the cotangents of Akk and Aqk; decays the chunk's `chunk_math.Decays`.
+    """
+
+    q: jax.Array
+    k: jax.Array
+    beta: jax.Array
+    state: jax.Array
+    dstate: jax.Array
+    decays: cm.Decays
+    decay: jax.Array
+    to_end: jax.Array
+    projected: jax.Array
+    dy: jax.Array
+    d_q_decayed: jax.Array
+    d_k_decayed: jax.Array
+    d_k_to_end: jax.Array
+    d_akk: jax.Array
+    d_aqk: jax.Array
+
+
+def chunk_products(q, k, v, local_cumsum, beta, tinv, state, dstate, ddelta, do, config: KernelConfig):
+    """`ChunkProducts` of one chunk.
+
+    q (scaled), k [C, K]; v, ddelta, do [C, V]; local_cumsum the (hi, lo) sub-block-local decay
+    cumsum [C, K]; beta [C, 1]; tinv [C, C]; state, dstate [K, V]; all float32.
     """
     sb = cm.SubBlocks(config.blocks.chunk_size, config.blocks.sub_chunk)
     dtype, c = config.mxu_dtype, sb.chunk
-    q = q_ref[...].astype(cm.F32) * config.scale
-    k = k_ref[...].astype(cm.F32)
-    v = v_ref[...].astype(cm.F32)
-    decays = cm.Decays(g_ref[...], sb, g_lo_ref[...])
-    beta = row_to_column(beta_ref[...])
-    tinv = tinv_ref[...]
-    state = h_ref[...].astype(cm.F32)
-    dstate = dstate_ref[...].astype(cm.F32)
-    ddelta = ddelta_ref[...].astype(cm.F32)
-    do = do_ref[...].astype(cm.F32)
-
+    mm = cm.f32_dot(dtype)
+    decays = cm.Decays(local_cumsum[0], sb, local_cumsum[1])
     decay = jnp.exp(decays.cum)
-    to_end = jnp.exp(decays.to_end)
-    k_decayed, q_decayed, k_to_end = k * decay, q * decay, k * to_end
-    projected = v - cm.dot(k_decayed, state, dtype)
+    projected = v - cm.dot(k * decay, state, dtype)
     y = beta * projected
     delta = cm.dot(tinv, y, dtype)
-
-    d_q_decayed = cm.dot(do, state, dtype, trans_b=True)
-    d_aqk = jnp.where(cm.lower_mask(c, strict=False), cm.dot(do, delta, dtype, trans_b=True), 0.0)
-    d_k_to_end = cm.dot(delta, dstate, dtype, trans_b=True)
     dy = cm.dot(tinv, ddelta, dtype, trans_a=True)
-    dv = beta * dy
-    dbeta = jnp.sum(dy * projected, axis=1, keepdims=True)
-    d_k_decayed = -beta * cm.dot(dy, state, dtype, trans_b=True)
     d_tinv = cm.dot(ddelta, y, dtype, trans_b=True)
-    d_akk = cm.dot(cm.dot(tinv, d_tinv, cm.F32, trans_a=True), tinv, cm.F32, trans_b=True)
-    d_akk = jnp.where(cm.lower_mask(c, strict=True), -d_akk, 0.0)
+    d_akk = mm(mm(tinv, d_tinv, trans_a=True), tinv, trans_b=True)
+    return ChunkProducts(
+        q=q,
+        k=k,
+        beta=beta,
+        state=state,
+        dstate=dstate,
+        decays=decays,
+        decay=decay,
+        to_end=jnp.exp(decays.to_end),
+        projected=projected,
+        dy=dy,
+        d_q_decayed=cm.dot(do, state, dtype, trans_b=True),
+        d_k_decayed=-beta * cm.dot(dy, state, dtype, trans_b=True),
+        d_k_to_end=cm.dot(delta, dstate, dtype, trans_b=True),
+        d_akk=jnp.where(cm.lower_mask(c, strict=True), -d_akk, 0.0),
+        d_aqk=jnp.where(cm.lower_mask(c, strict=False), cm.dot(do, delta, dtype, trans_b=True), 0.0),
+    )
 
+
+def chunk_grads(p: ChunkProducts, config: KernelConfig):
+    """(dq before the scale, dk, dv [C, V], dbeta [C, 1], dg) of one chunk, float32 ([C, K] unless stated)."""
+    dtype, q, k, beta, decays = config.mxu_dtype, p.q, p.k, p.beta, p.decays
+    dv = beta * p.dy
+    dbeta = jnp.sum(p.dy * p.projected, axis=1, keepdims=True)
     # Akk = beta * P[k] (strict), Aqk = P[q] (incl. the diagonal): W = d_akk with a = beta k, and d_aqk with a = q.
-    grads = cm.gated_grads([(d_akk, beta * k), (d_aqk, q)], k, decays, dtype, config.unroll)
+    grads = cm.gated_grads([(p.d_akk, beta * k), (p.d_aqk, q)], k, decays, dtype, config.unroll)
     (rows_kk, rows_qk), (cols_kk, cols_qk) = grads.rows, grads.cols
     dbeta = dbeta + jnp.sum(k * rows_kk, axis=1, keepdims=True)
 
-    dq = d_q_decayed * decay + rows_qk
-    dk = d_k_decayed * decay + d_k_to_end * to_end + beta * rows_kk + cols_kk + cols_qk
+    dq = p.d_q_decayed * p.decay + rows_qk
+    dk = p.d_k_decayed * p.decay + p.d_k_to_end * p.to_end + beta * rows_kk + cols_kk + cols_qk
     # q exp(G), k exp(G) depend on the decays up to their step, k exp(G_last - G) on those after it,
     # and the carried state on all of them.
-    state_term = column_to_row(jnp.sum(state * dstate, axis=1, keepdims=True)) * jnp.exp(decays.total)
+    state_term = column_to_row(jnp.sum(p.state * p.dstate, axis=1, keepdims=True)) * jnp.exp(decays.total)
     dg = (
         decays.gate_grad(
-            after=d_q_decayed * q_decayed + d_k_decayed * k_decayed,
-            before=d_k_to_end * k_to_end,
+            after=p.d_q_decayed * (q * p.decay) + p.d_k_decayed * (k * p.decay),
+            before=p.d_k_to_end * (k * p.to_end),
             after_block=grads.after_block,
             before_block=grads.before_block,
+            dtype=dtype,
         )
         + grads.direct
         + state_term
     )
-
-    dq_ref[...] = dq * config.scale
-    dk_ref[...] = dk
-    dv_ref[...] = dv
-    dbeta_ref[...] = column_to_row(dbeta)
-    dg_ref[...] = dg
+    return dq, dk, dv, dbeta, dg
 
 
 def chunk_index(b, j, t):
@@ -160,16 +224,18 @@ def _launch_intra_bwd(q, k, v, g, g_lo, beta, tinv, h, dstate, ddelta, do, *, co
     value_dim = v.shape[-1]
     c = config.blocks.chunk_size
     num_chunks = padded_len // c
-    qk_spec = pl.BlockSpec((None, None, c, key_dim), functools.partial(qk_index, group=config.group))
-    key_spec = pl.BlockSpec((None, None, c, key_dim), chunk_index)
-    value_spec = pl.BlockSpec((None, None, c, value_dim), chunk_index)
-    state_spec = pl.BlockSpec((None, None, key_dim, value_dim), chunk_index)
-    beta_spec = pl.BlockSpec((None, None, None, 1, c), beta_index)
+    per_step = config.blocks.per_step(num_chunks, config.blocks.grad_chunks_per_step)
+    rows = per_step * c
+    qk_spec = pl.BlockSpec((None, None, rows, key_dim), functools.partial(qk_index, group=config.group))
+    key_spec = pl.BlockSpec((None, None, rows, key_dim), chunk_index)
+    value_spec = pl.BlockSpec((None, None, rows, value_dim), chunk_index)
+    state_spec = pl.BlockSpec((None, None, per_step * key_dim, value_dim), chunk_index)
+    beta_spec = pl.BlockSpec((None, None, per_step, 1, c), beta_index)
     f32 = jnp.float32
     with jax.named_scope("kda_intra_bwd"):
         return pl.pallas_call(
             functools.partial(intra_bwd_kernel, config=config),
-            grid=(batch, heads, num_chunks),
+            grid=(batch, heads, num_chunks // per_step),
             in_specs=[
                 qk_spec,
                 qk_spec,
@@ -177,7 +243,7 @@ def _launch_intra_bwd(q, k, v, g, g_lo, beta, tinv, h, dstate, ddelta, do, *, co
                 key_spec,
                 key_spec,
                 beta_spec,
-                pl.BlockSpec((None, None, c, c), chunk_index),
+                pl.BlockSpec((None, None, rows, c), chunk_index),
                 state_spec,
                 state_spec,
                 value_spec,

@@ -18,13 +18,16 @@ from gla_kda.pallas.config import KernelConfig, compiler_params
 
 
 def output_kernel(q_ref, g_ref, h_ref, delta_ref, aqk_ref, o_ref, *, config: KernelConfig):
-    """Blocks: q, g [C, K]; h [K, V]; delta [C, V]; aqk [C, C]; output o [C, V]."""
-    q = q_ref[...].astype(cm.F32) * config.scale
-    decays = cm.Decays(g_ref[...], cm.SubBlocks(config.blocks.chunk_size, config.blocks.sub_chunk))
-    decayed_q = q * jnp.exp(decays.cum)
-    inter = cm.dot(decayed_q, h_ref[...], config.mxu_dtype)
-    intra = cm.dot(aqk_ref[...], delta_ref[...], config.mxu_dtype)
-    o_ref[...] = (inter + intra).astype(o_ref.dtype)
+    """Blocks of n chunks: q, g [n*C, K]; h [n*K, V]; delta [n*C, V]; aqk [n*C, C]; output o [n*C, V]."""
+    c, key_dim = config.blocks.chunk_size, q_ref.shape[-1]
+    sb = cm.SubBlocks(c, config.blocks.sub_chunk)
+    for n in range(h_ref.shape[0] // key_dim):
+        rows = pl.ds(n * c, c)
+        q = q_ref[rows, :].astype(cm.F32) * config.scale
+        decayed_q = q * jnp.exp(cm.Decays(g_ref[rows, :], sb).cum)
+        inter = cm.dot(decayed_q, h_ref[pl.ds(n * key_dim, key_dim), :], config.mxu_dtype)
+        intra = cm.dot(aqk_ref[rows, :], delta_ref[rows, :], config.mxu_dtype)
+        o_ref[rows, :] = (inter + intra).astype(o_ref.dtype)
 
 
 def chunk_index(b, j, t):
@@ -63,18 +66,20 @@ def _launch_output(q, g, h, delta, aqk, *, config: KernelConfig, out_dtype):
     value_dim = delta.shape[-1]
     c = config.blocks.chunk_size
     num_chunks = padded_len // c
+    per_step = config.blocks.per_step(num_chunks)
+    rows = per_step * c
     with jax.named_scope("kda_output"):
         return pl.pallas_call(
             functools.partial(output_kernel, config=config),
-            grid=(batch, heads, num_chunks),
+            grid=(batch, heads, num_chunks // per_step),
             in_specs=[
-                pl.BlockSpec((None, None, c, key_dim), functools.partial(qk_index, group=config.group)),
-                pl.BlockSpec((None, None, c, key_dim), chunk_index),
-                pl.BlockSpec((None, None, key_dim, value_dim), chunk_index),
-                pl.BlockSpec((None, None, c, value_dim), chunk_index),
-                pl.BlockSpec((None, None, c, c), chunk_index),
+                pl.BlockSpec((None, None, rows, key_dim), functools.partial(qk_index, group=config.group)),
+                pl.BlockSpec((None, None, rows, key_dim), chunk_index),
+                pl.BlockSpec((None, None, per_step * key_dim, value_dim), chunk_index),
+                pl.BlockSpec((None, None, rows, value_dim), chunk_index),
+                pl.BlockSpec((None, None, rows, c), chunk_index),
             ],
-            out_specs=pl.BlockSpec((None, None, c, value_dim), chunk_index),
+            out_specs=pl.BlockSpec((None, None, rows, value_dim), chunk_index),
             out_shape=jax.ShapeDtypeStruct((batch, heads, padded_len, value_dim), out_dtype),
             compiler_params=compiler_params(sequential_time=False),
             cost_estimate=output_cost(batch, heads, num_chunks, c, key_dim, value_dim, config.mxu_dtype, out_dtype),

@@ -50,9 +50,12 @@ def advance_state(k, decays: cm.Decays, delta, state, dtype):
 
 
 def state_kernel(first_ref, last_ref, seq_ref, *refs, config: KernelConfig, outputs: StateOutputs):
-    """Blocks: k, g, g_lo [C, K]; v [C, V]; beta [1, C]; tinv [C, C]; h0 [K, V].
+    """Blocks of n consecutive chunks of one sequence: k, g, g_lo [n*C, K]; v [n*C, V]; beta [n, 1, C];
+    tinv [n*C, C]; h0 [K, V].
 
-    Outputs: h [K, V] (state before the chunk), delta [C, V], ht [K, V]; scratch state [K, V] f32.
+    Outputs: h [n*K, V] (the state before each chunk), delta [n*C, V], ht [K, V]; scratch state [K, V] f32.
+    Only the step's first chunk may start its sequence and only its last may end it (the launcher
+    takes one chunk per step when sequences are packed).
     """
     del seq_ref
     refs = list(refs)
@@ -63,9 +66,12 @@ def state_kernel(first_ref, last_ref, seq_ref, *refs, config: KernelConfig, outp
     delta_ref = rest.pop(0) if outputs.emit_delta else None
     ht_ref = rest.pop(0) if outputs.emit_final_state else None
     (state_ref,) = rest
+    per_step = beta_ref.shape[0]
+    c, key_dim = config.blocks.chunk_size, k_ref.shape[-1]
+    sb = cm.SubBlocks(c, config.blocks.sub_chunk)
     t = pl.program_id(2)
 
-    @pl.when((t == 0) | (first_ref[t] == 1))
+    @pl.when((t == 0) | (first_ref[t * per_step] == 1))
     def _reset():
         if h0_ref is None:
             state_ref[...] = jnp.zeros(state_ref.shape, state_ref.dtype)
@@ -73,20 +79,22 @@ def state_kernel(first_ref, last_ref, seq_ref, *refs, config: KernelConfig, outp
             state_ref[...] = h0_ref[...].astype(cm.F32)
 
     state = state_ref[...]
-    h_ref[...] = state.astype(h_ref.dtype)
-    k = k_ref[...].astype(cm.F32)
-    decays = cm.Decays(g_ref[...], cm.SubBlocks(config.blocks.chunk_size, config.blocks.sub_chunk), g_lo_ref[...])
-    beta = row_to_column(beta_ref[...])
-    delta = wy_delta(k, v_ref[...].astype(cm.F32), decays, beta, tinv_ref[...], state, config.mxu_dtype)
-    if delta_ref is not None:
-        delta_ref[...] = delta.astype(delta_ref.dtype)
-    new_state = advance_state(k, decays, delta, state, config.mxu_dtype)
-    state_ref[...] = new_state
+    for n in range(per_step):
+        rows = pl.ds(n * c, c)
+        h_ref[pl.ds(n * key_dim, key_dim), :] = state.astype(h_ref.dtype)
+        k = k_ref[rows, :].astype(cm.F32)
+        decays = cm.Decays(g_ref[rows, :], sb, g_lo_ref[rows, :])
+        beta = row_to_column(beta_ref[n])
+        delta = wy_delta(k, v_ref[rows, :].astype(cm.F32), decays, beta, tinv_ref[rows, :], state, config.mxu_dtype)
+        if delta_ref is not None:
+            delta_ref[rows, :] = delta.astype(delta_ref.dtype)
+        state = advance_state(k, decays, delta, state, config.mxu_dtype)
+    state_ref[...] = state
     if ht_ref is not None:
 
-        @pl.when(last_ref[t] == 1)
+        @pl.when(last_ref[t * per_step + per_step - 1] == 1)
         def _final():
-            ht_ref[...] = new_state
+            ht_ref[...] = state
 
 
 def chunk_index(b, j, t, *_):
@@ -101,9 +109,9 @@ def beta_index(b, j, t, *_):
     return (b, j, t, 0, 0)
 
 
-def sequence_index(b, j, t, first_ref, last_ref, seq_ref, *, states_per_row: int):
-    """Initial/final state block of the sequence owning chunk t: sequence seq[t] of batch row b."""
-    return (b * states_per_row + seq_ref[t], j, 0, 0)
+def sequence_index(b, j, t, first_ref, last_ref, seq_ref, *, states_per_row: int, per_step: int):
+    """Initial/final state block of the sequence owning step t's chunks: sequence seq[t * per_step] of batch row b."""
+    return (b * states_per_row + seq_ref[t * per_step], j, 0, 0)
 
 
 def state_cost(batch, heads, num_chunks, c, k, v, itemsize):
@@ -140,32 +148,35 @@ def _launch_state(k, v, g, g_lo, beta, tinv, h0, first, last, seq, *, config, ou
     c = config.blocks.chunk_size
     num_chunks = padded_len // c
     num_states = batch * states_per_row
+    per_step = 1 if states_per_row > 1 else config.blocks.per_step(num_chunks)
+    rows = per_step * c
     state_spec = pl.BlockSpec(
-        (None, None, key_dim, value_dim), functools.partial(sequence_index, states_per_row=states_per_row)
+        (None, None, key_dim, value_dim),
+        functools.partial(sequence_index, states_per_row=states_per_row, per_step=per_step),
     )
     in_specs = [
-        pl.BlockSpec((None, None, c, key_dim), functools.partial(qk_index, group=config.group)),
-        pl.BlockSpec((None, None, c, value_dim), chunk_index),
-        pl.BlockSpec((None, None, c, key_dim), chunk_index),
-        pl.BlockSpec((None, None, c, key_dim), chunk_index),
-        pl.BlockSpec((None, None, None, 1, c), beta_index),
-        pl.BlockSpec((None, None, c, c), chunk_index),
+        pl.BlockSpec((None, None, rows, key_dim), functools.partial(qk_index, group=config.group)),
+        pl.BlockSpec((None, None, rows, value_dim), chunk_index),
+        pl.BlockSpec((None, None, rows, key_dim), chunk_index),
+        pl.BlockSpec((None, None, rows, key_dim), chunk_index),
+        pl.BlockSpec((None, None, per_step, 1, c), beta_index),
+        pl.BlockSpec((None, None, rows, c), chunk_index),
     ]
     args = [k, v, g, g_lo, beta, tinv]
     if outputs.has_initial_state:
         in_specs.append(state_spec)
         args.append(h0)
-    out_specs = [pl.BlockSpec((None, None, key_dim, value_dim), chunk_index)]
+    out_specs = [pl.BlockSpec((None, None, per_step * key_dim, value_dim), chunk_index)]
     out_shape = [jax.ShapeDtypeStruct((batch, heads, num_chunks * key_dim, value_dim), config.store_dtype)]
     if outputs.emit_delta:
-        out_specs.append(pl.BlockSpec((None, None, c, value_dim), chunk_index))
+        out_specs.append(pl.BlockSpec((None, None, rows, value_dim), chunk_index))
         out_shape.append(jax.ShapeDtypeStruct((batch, heads, padded_len, value_dim), config.store_dtype))
     if outputs.emit_final_state:
         out_specs.append(state_spec)
         out_shape.append(jax.ShapeDtypeStruct((num_states, heads, key_dim, value_dim), jnp.float32))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
-        grid=(batch, heads, num_chunks),
+        grid=(batch, heads, num_chunks // per_step),
         in_specs=in_specs,
         out_specs=out_specs,
         scratch_shapes=[pltpu.VMEM((key_dim, value_dim), jnp.float32)],

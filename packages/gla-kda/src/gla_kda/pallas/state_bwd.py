@@ -33,10 +33,12 @@ class StateGradOptions:
 
 
 def state_bwd_kernel(first_ref, last_ref, seq_ref, *refs, config: KernelConfig, options: StateGradOptions):
-    """Blocks: q, k, g, g_lo [C, K]; beta [1, C]; tinv, aqk [C, C]; do [C, V]; dht [K, V].
+    """Blocks of n consecutive chunks of one sequence (visited last to first): q, k, g, g_lo [n*C, K];
+    beta [n, 1, C]; tinv, aqk [n*C, C]; do [n*C, V]; dht [K, V].
 
-    Outputs: dstate [K, V] (gradient of the state after the chunk), ddelta [C, V], dh0 [K, V];
-    scratch dS [K, V] float32.
+    Outputs: dstate [n*K, V] (gradient of the state after each chunk), ddelta [n*C, V], dh0 [K, V];
+    scratch dS [K, V] float32. Only the step's last chunk may end its sequence and only its first
+    may start it (the launcher takes one chunk per step when sequences are packed).
     """
     del seq_ref
     refs = list(refs)
@@ -46,58 +48,75 @@ def state_bwd_kernel(first_ref, last_ref, seq_ref, *refs, config: KernelConfig, 
     dstate_ref, ddelta_ref = rest[:2]
     dh0_ref = rest[2] if options.emit_initial_grad else None
     grad_ref = rest[-1]
+    per_step = beta_ref.shape[0]
+    c, key_dim = config.blocks.chunk_size, q_ref.shape[-1]
+    sb = cm.SubBlocks(c, config.blocks.sub_chunk)
     t = pl.program_id(2)
-    chunk = pl.num_programs(2) - 1 - t
+    first_chunk = (pl.num_programs(2) - 1 - t) * per_step
+    last_chunk = first_chunk + per_step - 1
 
-    @pl.when((t == 0) | (last_ref[chunk] == 1))
+    @pl.when((t == 0) | (last_ref[last_chunk] == 1))
     def _reset():
         grad_ref[...] = jnp.zeros(grad_ref.shape, grad_ref.dtype)
 
     if dht_ref is not None:
 
-        @pl.when(last_ref[chunk] == 1)
+        @pl.when(last_ref[last_chunk] == 1)
         def _final_cotangent():
             grad_ref[...] = dht_ref[...].astype(cm.F32)
 
     dtype = config.mxu_dtype
+    # What does not depend on dS, for every chunk first: it overlaps the serial chain below.
+    terms = []
+    for n in range(per_step):
+        rows = pl.ds(n * c, c)
+        q = q_ref[rows, :].astype(cm.F32) * config.scale
+        k = k_ref[rows, :].astype(cm.F32)
+        decays = cm.Decays(g_ref[rows, :], sb, g_lo_ref[rows, :])
+        beta = row_to_column(beta_ref[n])
+        do = do_ref[rows, :]
+        decay = jnp.exp(decays.cum)
+        terms.append(
+            (
+                cm.dot(aqk_ref[rows, :], do, dtype, trans_a=True),
+                k * jnp.exp(decays.to_end),
+                row_to_column(jnp.exp(decays.total)),
+                cm.dot(q * decay, do, dtype, trans_a=True),
+                cm.dot(tinv_ref[rows, :], beta * k * decay, dtype),
+            )
+        )
     grad = grad_ref[...]
-    dstate_ref[...] = grad.astype(dstate_ref.dtype)
-    q = q_ref[...].astype(cm.F32) * config.scale
-    k = k_ref[...].astype(cm.F32)
-    decays = cm.Decays(g_ref[...], cm.SubBlocks(config.blocks.chunk_size, config.blocks.sub_chunk), g_lo_ref[...])
-    beta = row_to_column(beta_ref[...])
-    do = do_ref[...]
-    decay = jnp.exp(decays.cum)
-    ddelta = cm.dot(aqk_ref[...], do, dtype, trans_a=True) + cm.dot(k * jnp.exp(decays.to_end), grad, dtype)
-    ddelta_ref[...] = ddelta.astype(ddelta_ref.dtype)
-    w = cm.dot(tinv_ref[...], beta * k * decay, dtype)
-    grad = (
-        row_to_column(jnp.exp(decays.total)) * grad
-        + cm.dot(q * decay, do, dtype, trans_a=True)
-        - cm.dot(w, ddelta, dtype, trans_a=True)
-    )
+    for n in reversed(range(per_step)):
+        rows = pl.ds(n * c, c)
+        from_output, k_to_end, total_decay, q_term, w = terms[n]
+        dstate_ref[pl.ds(n * key_dim, key_dim), :] = grad.astype(dstate_ref.dtype)
+        ddelta = from_output + cm.dot(k_to_end, grad, dtype)
+        ddelta_ref[rows, :] = ddelta.astype(ddelta_ref.dtype)
+        grad = total_decay * grad + q_term - cm.dot(w, ddelta, dtype, trans_a=True)
     grad_ref[...] = grad
     if dh0_ref is not None:
 
-        @pl.when(first_ref[chunk] == 1)
+        @pl.when(first_ref[first_chunk] == 1)
         def _initial_grad():
             dh0_ref[...] = grad
 
 
-def reversed_index(b, j, t, first_ref, last_ref, seq_ref):
-    return (b, j, first_ref.shape[0] - 1 - t, 0)
+def reversed_index(b, j, t, *_, num_steps: int):
+    return (b, j, num_steps - 1 - t, 0)
 
 
-def reversed_qk_index(b, j, t, first_ref, last_ref, seq_ref, *, group: int):
-    return (b, jax.lax.div(j, jnp.int32(group)), first_ref.shape[0] - 1 - t, 0)
+def reversed_qk_index(b, j, t, *_, num_steps: int, group: int):
+    return (b, jax.lax.div(j, jnp.int32(group)), num_steps - 1 - t, 0)
 
 
-def reversed_beta_index(b, j, t, first_ref, last_ref, seq_ref):
-    return (b, j, first_ref.shape[0] - 1 - t, 0, 0)
+def reversed_beta_index(b, j, t, *_, num_steps: int):
+    return (b, j, num_steps - 1 - t, 0, 0)
 
 
-def reversed_sequence_index(b, j, t, first_ref, last_ref, seq_ref, *, states_per_row: int):
-    return (b * states_per_row + seq_ref[first_ref.shape[0] - 1 - t], j, 0, 0)
+def reversed_sequence_index(b, j, t, first_ref, last_ref, seq_ref, *, num_steps: int, states_per_row: int):
+    """Final/initial state block of the sequence owning step t's chunks (one sequence per step)."""
+    per_step = first_ref.shape[0] // num_steps
+    return (b * states_per_row + seq_ref[(num_steps - 1 - t) * per_step], j, 0, 0)
 
 
 def state_bwd_cost(batch, heads, num_chunks, c, k, v, itemsize):
@@ -139,27 +158,33 @@ def _launch_state_bwd(
     num_chunks = padded_len // c
     num_states = batch * states_per_row
     options = StateGradOptions(has_final_cotangent=dht is not None, emit_initial_grad=emit_initial_grad)
-    qk_spec = pl.BlockSpec((None, None, c, key_dim), functools.partial(reversed_qk_index, group=config.group))
+    per_step = 1 if states_per_row > 1 else config.blocks.per_step(num_chunks)
+    num_steps, rows = num_chunks // per_step, per_step * c
+    index = functools.partial(reversed_index, num_steps=num_steps)
+    qk_spec = pl.BlockSpec(
+        (None, None, rows, key_dim), functools.partial(reversed_qk_index, num_steps=num_steps, group=config.group)
+    )
     state_spec = pl.BlockSpec(
-        (None, None, key_dim, value_dim), functools.partial(reversed_sequence_index, states_per_row=states_per_row)
+        (None, None, key_dim, value_dim),
+        functools.partial(reversed_sequence_index, num_steps=num_steps, states_per_row=states_per_row),
     )
     in_specs = [
         qk_spec,
         qk_spec,
-        pl.BlockSpec((None, None, c, key_dim), reversed_index),
-        pl.BlockSpec((None, None, c, key_dim), reversed_index),
-        pl.BlockSpec((None, None, None, 1, c), reversed_beta_index),
-        pl.BlockSpec((None, None, c, c), reversed_index),
-        pl.BlockSpec((None, None, c, c), reversed_index),
-        pl.BlockSpec((None, None, c, value_dim), reversed_index),
+        pl.BlockSpec((None, None, rows, key_dim), index),
+        pl.BlockSpec((None, None, rows, key_dim), index),
+        pl.BlockSpec((None, None, per_step, 1, c), functools.partial(reversed_beta_index, num_steps=num_steps)),
+        pl.BlockSpec((None, None, rows, c), index),
+        pl.BlockSpec((None, None, rows, c), index),
+        pl.BlockSpec((None, None, rows, value_dim), index),
     ]
     args = [q, k, g, g_lo, beta, tinv, aqk, do]
     if dht is not None:
         in_specs.append(state_spec)
         args.append(dht)
     out_specs = [
-        pl.BlockSpec((None, None, key_dim, value_dim), reversed_index),
-        pl.BlockSpec((None, None, c, value_dim), reversed_index),
+        pl.BlockSpec((None, None, per_step * key_dim, value_dim), index),
+        pl.BlockSpec((None, None, rows, value_dim), index),
     ]
     out_shape = [
         jax.ShapeDtypeStruct((batch, heads, num_chunks * key_dim, value_dim), config.store_dtype),
@@ -170,7 +195,7 @@ def _launch_state_bwd(
         out_shape.append(jax.ShapeDtypeStruct((num_states, heads, key_dim, value_dim), jnp.float32))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
-        grid=(batch, heads, num_chunks),
+        grid=(batch, heads, num_steps),
         in_specs=in_specs,
         out_specs=out_specs,
         scratch_shapes=[pltpu.VMEM((key_dim, value_dim), jnp.float32)],
