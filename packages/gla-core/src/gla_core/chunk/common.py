@@ -129,14 +129,18 @@ def split_for_mask_dot(x: jax.Array) -> jax.Array:
 
 def mask_dot(mask: jax.Array, x: jax.Array) -> jax.Array:
     """`mask @ x` for a 0/1 (bool or float) `mask` [M, N] and float32 `x` [N, K], as accurate as a
-    float32 matmul in half its MXU passes. `x` may also be given split (`split_for_mask_dot`), so
-    that several masks share one split.
+    float32 matmul in half its MXU passes.
 
     The mask is exact in bfloat16 and `x` is the exact sum of its three bfloat16 parts, so every
     product is exact and only the float32 accumulation rounds: three bfloat16 passes (one matmul
     of the parts side by side) where a float32 matmul at full precision takes six.
     """
-    parts = x if x.dtype == jnp.bfloat16 else split_for_mask_dot(x)
+    return mask_dot_split(mask, split_for_mask_dot(x))
+
+
+def mask_dot_split(mask: jax.Array, parts: jax.Array) -> jax.Array:
+    """`mask_dot` of an operand already split by `split_for_mask_dot` ([N, 3K] bfloat16), so that
+    several masks share one split."""
     k = parts.shape[1] // 3
     sums = jax.lax.dot_general(mask.astype(jnp.bfloat16), parts, NN, preferred_element_type=jnp.float32)
     return (sums[:, :k] + sums[:, k : 2 * k]) + sums[:, 2 * k :]

@@ -51,6 +51,7 @@ from gla_core.chunk.common import (
     column_to_row,
     dot,
     mask_dot,
+    mask_dot_split,
     row_to_column,
     split_for_mask_dot,
 )
@@ -274,20 +275,20 @@ class KeyGate:
 
     @functools.cached_property
     def split(self) -> jax.Array:
-        """The gate as `mask_dot` takes it: its three bfloat16 parts side by side, [C, 3K]."""
+        """The gate as `mask_dot_split` takes it: its three bfloat16 parts side by side, [C, 3K]."""
         return split_for_mask_dot(self.a)
 
     @functools.cached_property
     def _all_decays(self) -> jax.Array:
         """e^{segment sum} of blocks THROUGH .. SEGMENT + L - 1, [(2 + L) C, K] (every exponent <= 0)."""
         count = KeyMaskTable.SEGMENT + self.table.levels
-        return jnp.exp(mask_dot(self._masks(KeyMaskTable.THROUGH, count), self.split))
+        return jnp.exp(mask_dot_split(self._masks(KeyMaskTable.THROUGH, count), self.split))
 
     def _decays(self, block: int) -> jax.Array:
         """e^{segment sum} of one block of the table, [C, K]."""
         if self.products:
             return self._all_decays[block * self.chunk : (block + 1) * self.chunk]
-        return jnp.exp(mask_dot(self._masks(block), self.split))
+        return jnp.exp(mask_dot_split(self._masks(block), self.split))
 
     def from_start(self) -> jax.Array:
         return self._decays(KeyMaskTable.THROUGH)  # e^{b_t}, [C, K]
