@@ -165,18 +165,18 @@ def _gate_grads(da: jax.Array, problem: Problem) -> dict[str, jax.Array]:
     return {"dg": da, "dg_gamma": jnp.sum(da, axis=(0, 1))}
 
 
-def test_fwd_h_states_and_final_state(problem, no_races, interpret):
+# One chunk per grid step, and all NT = 3 chunks of the problems in one step.
+CHUNKS_PER_STEP = (1, 3)
+
+
+@pytest.mark.parametrize("chunks_per_step", CHUNKS_PER_STEP)
+def test_fwd_h_states_and_final_state(problem, chunks_per_step, no_races, interpret):
     x, config = problem.inputs, problem.config
-    h, ht = chunk_fwd_h(
-        x.k, x.v, x.gate, x.h0, x.meta, specs=config.specs(), output_final_state=True, interpret=interpret
-    )
+    specs = config.specs().with_chunks_per_step(chunks_per_step)
+    h, ht = chunk_fwd_h(x.k, x.v, x.gate, x.h0, x.meta, specs=specs, output_final_state=True, interpret=interpret)
     assert_close("h", _from_kernel_states(h, problem), problem.states, TOL.output)
     final = prepare.state_out(ht, config.geometry)
     assert_close("final_state", final, problem.reference.outputs["final_state"], TOL.output)
-
-
-# One chunk per grid step, and all NT = 3 chunks of the problems in one step.
-CHUNKS_PER_STEP = (1, 3)
 
 
 @pytest.mark.parametrize("chunks_per_step", CHUNKS_PER_STEP)
@@ -200,7 +200,8 @@ def test_fwd_outputs_and_final_state(problem, chunks_per_step, no_races, interpr
     assert_close("final_state", final, problem.reference.outputs["final_state"], TOL.output)
 
 
-def test_bwd_dh_state_gradients(problem, no_races, interpret):
+@pytest.mark.parametrize("chunks_per_step", CHUNKS_PER_STEP)
+def test_bwd_dh_state_gradients(problem, chunks_per_step, no_races, interpret):
     x, config = problem.inputs, problem.config
     dh, dh0 = chunk_bwd_dh(
         x.q,
@@ -208,7 +209,7 @@ def test_bwd_dh_state_gradients(problem, no_races, interpret):
         x.gate,
         problem.dht,
         x.meta,
-        specs=config.specs().reversed(),
+        specs=config.specs().with_chunks_per_step(chunks_per_step).reversed(),
         scale=config.scale,
         need_dh0=True,
         interpret=interpret,

@@ -19,12 +19,25 @@ from jax.experimental import pallas as pl
 
 from gla_core.chunk.common import TN, dot, mxu_dtype
 from gla_core.chunk.gates import make_gate
-from gla_core.chunk.launch import carry_in, launch_state_pass
+from gla_core.chunk.launch import carry_in, launch_state_pass, step_edges
 from gla_core.chunk.specs import ChunkSpecs
 from gla_core.pallas_transforms import fold_vmap
 
 
-def _bwd_dh_kernel(first_ref, last_ref, seq_ref, *refs, gate_mode, has_dht, has_dh0, scale, num_chunks, dtype):
+def _bwd_dh_kernel(
+    first_ref,
+    last_ref,
+    seq_ref,
+    *refs,
+    gate_mode,
+    has_dht,
+    has_dh0,
+    scale,
+    num_chunks,
+    dtype,
+    chunks_per_step,
+    chunk_in_step,
+):
     q_ref, do_ref, gate_ref = refs[:3]  # [C, K], [C, Vt], [1, C] or [C, K]
     dht_ref = refs[3] if has_dht else None  # [Vt, K]
     has_table = gate_mode == "key"
@@ -33,9 +46,11 @@ def _bwd_dh_kernel(first_ref, last_ref, seq_ref, *refs, gate_mode, has_dht, has_
     dh_ref = outs[0]  # [Vt, K] gradient of the state after this chunk
     dh0_ref = outs[1] if has_dh0 else None  # [Vt, K]
     grad_ref = outs[-1]  # VMEM scratch [Vt, K] float32
-    step = pl.program_id(3)
-    c = num_chunks - 1 - step
-    carry_in(grad_ref, step, last_ref[c] == 1, dht_ref)
+    walked = pl.program_id(3) * chunks_per_step + (chunks_per_step - 1 - chunk_in_step)  # chunks before this one
+    c = num_chunks - 1 - walked  # the chunk
+    opens_step, closes_step = step_edges(chunk_in_step, chunks_per_step, reverse=True)
+    if opens_step:
+        carry_in(grad_ref, walked, last_ref[c] == 1, dht_ref)
     grad = grad_ref[...]
     dh_ref[...] = grad
     gate = make_gate(gate_mode, gate_ref[...], dtype, *table, products=False)
@@ -43,7 +58,7 @@ def _bwd_dh_kernel(first_ref, last_ref, seq_ref, *refs, gate_mode, has_dht, has_
     grad = grad * gate.last_decay() + scale * dot(do_ref[...], q_decayed, TN, dtype)
     grad_ref[...] = grad
 
-    if has_dh0:
+    if has_dh0 and closes_step:
 
         @pl.when(first_ref[c] == 1)
         def _initial():
@@ -80,6 +95,7 @@ def _launch(q, do, gate, dht, first, last, sequence, *, specs: ChunkSpecs, scale
         scale=scale,
         num_chunks=specs.num_chunks,
         dtype=mxu_dtype(q.dtype),
+        chunks_per_step=specs.chunks_per_step,
     )
     state_args = (q, do, gate, dht, first, last, sequence)
     return launch_state_pass("chunk_bwd_dh", kernel, *state_args, specs=specs, state_out=need_dh0, interpret=interpret)

@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 
 from gla_core.chunk.common import NT, TN, causal_dot, dot, mxu_dtype
 from gla_core.chunk.gates import make_gate
-from gla_core.chunk.launch import carry_in, launch_output_pass
+from gla_core.chunk.launch import carry_in, launch_output_pass, step_edges
 from gla_core.chunk.specs import ChunkSpecs
 from gla_core.pallas_transforms import fold_vmap
 
@@ -37,7 +37,9 @@ def _fwd_kernel(
     ht_ref = refs[5 + has_h0 + has_table] if has_ht else None  # [Vt, K]
     state_ref = refs[-1]  # VMEM scratch [Vt, K] float32
     t = pl.program_id(3) * chunks_per_step + chunk_in_step  # the chunk
-    carry_in(state_ref, t, first_ref[t] == 1, h0_ref)
+    opens_step, closes_step = step_edges(chunk_in_step, chunks_per_step)
+    if opens_step:
+        carry_in(state_ref, t, first_ref[t] == 1, h0_ref)
     state = state_ref[...]
     gate = make_gate(gate_mode, gate_ref[...], dtype, *table, products=True)
     q, k, v = q_ref[...], k_ref[...], v_ref[...]
@@ -48,7 +50,7 @@ def _fwd_kernel(
     state = state * gate.last_decay() + dot(v, k_decayed, TN, dtype)
     state_ref[...] = state
 
-    if has_ht:
+    if has_ht and closes_step:
 
         @pl.when(last_ref[t] == 1)
         def _final():

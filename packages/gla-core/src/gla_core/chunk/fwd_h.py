@@ -18,12 +18,14 @@ from jax.experimental import pallas as pl
 
 from gla_core.chunk.common import TN, dot, mxu_dtype
 from gla_core.chunk.gates import make_gate
-from gla_core.chunk.launch import carry_in, launch_state_pass
+from gla_core.chunk.launch import carry_in, launch_state_pass, step_edges
 from gla_core.chunk.specs import ChunkSpecs
 from gla_core.pallas_transforms import fold_vmap
 
 
-def _fwd_h_kernel(first_ref, last_ref, seq_ref, *refs, gate_mode, has_h0, has_ht, dtype):
+def _fwd_h_kernel(
+    first_ref, last_ref, seq_ref, *refs, gate_mode, has_h0, has_ht, dtype, chunks_per_step, chunk_in_step
+):
     k_ref, v_ref, gate_ref = refs[:3]  # [C, K], [C, Vt], [1, C] or [C, K]
     h0_ref = refs[3] if has_h0 else None  # [Vt, K]
     has_table = gate_mode == "key"
@@ -32,8 +34,10 @@ def _fwd_h_kernel(first_ref, last_ref, seq_ref, *refs, gate_mode, has_h0, has_ht
     h_ref = outs[0]  # [Vt, K] state before this chunk
     ht_ref = outs[1] if has_ht else None  # [Vt, K]
     state_ref = outs[-1]  # VMEM scratch [Vt, K] float32
-    t = pl.program_id(3)
-    carry_in(state_ref, t, first_ref[t] == 1, h0_ref)
+    t = pl.program_id(3) * chunks_per_step + chunk_in_step  # the chunk
+    opens_step, closes_step = step_edges(chunk_in_step, chunks_per_step)
+    if opens_step:
+        carry_in(state_ref, t, first_ref[t] == 1, h0_ref)
     state = state_ref[...]
     h_ref[...] = state
     gate = make_gate(gate_mode, gate_ref[...], dtype, *table, products=False)
@@ -41,7 +45,7 @@ def _fwd_h_kernel(first_ref, last_ref, seq_ref, *refs, gate_mode, has_h0, has_ht
     state = state * gate.last_decay() + dot(v_ref[...], k_decayed, TN, dtype)
     state_ref[...] = state
 
-    if has_ht:
+    if has_ht and closes_step:
 
         @pl.when(last_ref[t] == 1)
         def _final():
@@ -77,6 +81,7 @@ def _launch(k, v, gate, h0, first, last, sequence, *, specs: ChunkSpecs, output_
         has_h0=h0 is not None,
         has_ht=output_final_state,
         dtype=mxu_dtype(k.dtype),
+        chunks_per_step=specs.chunks_per_step,
     )
     state_args = (k, v, gate, h0, first, last, sequence)
     return launch_state_pass(

@@ -33,7 +33,8 @@ def for_each_chunk(kernel, specs: ChunkSpecs, kinds: str, pass_chunk: bool = Fal
     (`specs.chunks_per_step`). `kinds` has one letter per ref: "r" a time block `[n*C, ...]`
     (the chunk's rows are passed), "c" a per-chunk block `[n, ...]` (the chunk's entry), "s"
     shared by the chunks (scalar-prefetch refs, the gate's mask table, a carried state).
-    `pass_chunk`: the kernel also takes `chunk_in_step`, the chunk's index within the step."""
+    `pass_chunk`: the kernel also takes `chunk_in_step`, the chunk's index within the step.
+    Specs walking time backwards (`specs.reverse`) run a step's chunks from its last to its first."""
     n, c = specs.chunks_per_step, specs.chunk
     if n == 1:
         return functools.partial(kernel, chunk_in_step=0) if pass_chunk else kernel
@@ -46,11 +47,22 @@ def for_each_chunk(kernel, specs: ChunkSpecs, kinds: str, pass_chunk: bool = Fal
     def run(*refs):
         if len(refs) != len(kinds):
             raise ValueError(f"kinds: {len(kinds)} letters for {len(refs)} refs")
-        for chunk in range(n):
+        for chunk in reversed(range(n)) if specs.reverse else range(n):
             views = (view(ref, kind, chunk) for ref, kind in zip(refs, kinds, strict=True))
             kernel(*views, **({"chunk_in_step": chunk} if pass_chunk else {}))
 
     return run
+
+
+def step_edges(chunk_in_step: int, chunks_per_step: int, reverse: bool = False) -> tuple[bool, bool]:
+    """Whether a chunk is the first and the last its grid step walks (static Python bools).
+
+    With several chunks per step, sequences start and end only at step edges (one sequence per
+    batch row, see `ChunkSpecs.state_of_sequence`), so only those chunks may reset or emit a
+    carried state: the chunks between them run without branches, and their independent work
+    can overlap."""
+    walked = chunks_per_step - 1 - chunk_in_step if reverse else chunk_in_step
+    return walked == 0, walked == chunks_per_step - 1
 
 
 def carry_in(state_ref, step, starts, initial_ref) -> None:
@@ -84,8 +96,9 @@ def launch_state_pass(
     state_out: bool,
     interpret: bool,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """Runs `kernel(first, last, sequence, row, column, gate, [state_in], [table], per_chunk, [state_out], scratch)`
-    (`table`: the `KeyMaskTable` of a per-key gate).
+    """Runs `kernel(first, last, sequence, row, column, gate, [state_in], [table], per_chunk, [state_out], scratch,
+    chunk_in_step=)` for every chunk in walking order (`table`: the `KeyMaskTable` of a per-key gate;
+    several chunks per grid step, see `for_each_chunk`).
 
     Returns (per-chunk states [B, H, NT, V, K] float32, per-sequence states [N, H, V, K] float32
     or None unless `state_out`).
@@ -96,9 +109,13 @@ def launch_state_pass(
     per_chunk = jax.ShapeDtypeStruct((b, h, nt, vdim, kdim), jnp.float32)
     gate_flops, gate_transcendentals = intra_costs(specs.gate_mode, specs.chunk, kdim, products=0)
     flops = b * h * nv * nt * gate_flops + 2 * b * h * tp * kdim * vdim + 3 * b * h * nt * kdim * vdim
+    gate_kind = "r" if specs.gate_mode == "key" else "c"
+    has_table = specs.gate_mode == "key"
+    # first, last, sequence; row, column, gate, [state_in], [table]; per_chunk, [state_out]; the carried state
+    kinds = "sss" + "rr" + gate_kind + "s" * (state_in is not None) + "s" * has_table + "c" + "s" * state_out + "s"
     return _sequential_call(
         name,
-        kernel,
+        for_each_chunk(kernel, specs, kinds, pass_chunk=True),
         [row, column, gate],
         [specs.key(), specs.value(), specs.gate()],
         state_in,

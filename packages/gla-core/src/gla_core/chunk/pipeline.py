@@ -117,9 +117,10 @@ class ChunkConfig:
             states_per_row=geo.states_per_row,
         )
 
-    def fwd_specs(self) -> ChunkSpecs:
-        """Specs of the forward: as `specs`, with several chunks per grid step for fixed-length
-        inputs (packed sequences may start inside a step, and their states are block-indexed)."""
+    def sequential_specs(self) -> ChunkSpecs:
+        """Specs of the kernels walking time (forward, recomputed states, state gradients): as
+        `specs`, with several chunks per grid step for fixed-length inputs (packed sequences may
+        start inside a step, and their states are block-indexed)."""
         specs = self.specs()
         return specs if self.geometry.varlen else specs.with_chunks_per_step(self.block_sizes.block_chunks)
 
@@ -177,7 +178,7 @@ def kernel_inputs(config: ChunkConfig, q, k, v, g, g_gamma, gk, initial_state, c
 
 
 def _forward(config: ChunkConfig, q, k, v, g, g_gamma, gk, initial_state, cu_seqlens):
-    geo, specs = config.geometry, config.fwd_specs()
+    geo, specs = config.geometry, config.sequential_specs()
     x = kernel_inputs(config, q, k, v, g, g_gamma, gk, initial_state, cu_seqlens)
     o, ht = chunk_fwd(
         x.q,
@@ -203,7 +204,7 @@ def _forward(config: ChunkConfig, q, k, v, g, g_gamma, gk, initial_state, cu_seq
 def _backward(config: ChunkConfig, x: KernelInputs, cotangents):
     qk, kk, vk, gate, h0, meta, layout = x.q, x.k, x.v, x.gate, x.h0, x.meta, x.layout
     do, dht = cotangents
-    geo, specs = config.geometry, config.specs()
+    geo, specs = config.geometry, config.sequential_specs()
     interpret, scale = config.interpret, config.scale
     h, _ = chunk_fwd_h(kk, vk, gate, h0, meta, specs=specs, output_final_state=False, interpret=interpret)
     dok = prepare.to_kernel(do, geo, layout, config.compute_dtype)
