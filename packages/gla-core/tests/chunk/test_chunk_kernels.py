@@ -6,6 +6,7 @@ token-by-token recurrence of `gla_ref.recurrent`, so an error is the kernel's ow
 
   S_c  state before chunk c: the recurrence run over chunks < c
   G_c  gradient of the state after chunk c, with the oracle's cotangents
+  A    intra-chunk scores A[t, s] = sum_k q_tk k_sk e^{b_tk - b_sk}, s <= t in one chunk
 
 Problems: T not a multiple of the chunk, K and V not multiples of 128, h0 and final state,
 B = 2, K (and for the scalar gate V) padded to two 128-lane tiles; the scalar gate is
@@ -48,6 +49,7 @@ class Problem:
     dht: jax.Array  # [N, H, Vp, Kp] cotangent of the final state in the kernel layout
     states: np.ndarray  # S_c [B, NT, H, K, V]
     state_grads: np.ndarray  # G_c [B, NT, H, K, V]
+    scores: np.ndarray  # A [B, H, NT, C, C]
     reference: object  # OracleResult
 
 
@@ -109,6 +111,28 @@ def _references(case, scale: float, num_chunks: int, do: np.ndarray, dht: np.nda
         return np.asarray(states), np.asarray(grads)
 
 
+def _scores_reference(case, num_chunks: int) -> np.ndarray:
+    """The intra-chunk scores A of every chunk, float64 [B, H, NT, C, C] (zero-padded steps)."""
+    inputs = {n: np.asarray(x, np.float64) for n, x in case.inputs.items()}
+    q, k = inputs["q"], inputs["k"]
+    b, t, h, _ = q.shape
+    if "gk" in inputs:
+        a = inputs["gk"]
+    else:
+        a = np.zeros((b, t, h)) + inputs.get("g", 0.0) + inputs.get("g_gamma", 0.0)
+        a = a[..., None]
+    padded = num_chunks * CHUNK
+
+    def chunks(x):  # [B, T, H, D] -> [B, NT, C, H, D], zero-padded in time
+        x = np.pad(x, [(0, 0), (0, padded - t), (0, 0), (0, 0)])
+        return x.reshape(b, num_chunks, CHUNK, h, x.shape[-1])
+
+    q, k, cum = chunks(q), chunks(k), np.cumsum(chunks(a), axis=2)
+    decay = np.exp(np.minimum(cum[:, :, :, None] - cum[:, :, None, :], 0.0))  # [B, NT, t, s, H, D]; t >= s kept
+    scores = np.einsum("bnthd,bnshd,bntshd->bhnts", q, k, decay)
+    return np.where(np.tril(np.ones((CHUNK, CHUNK), bool)), scores, 0.0)
+
+
 def _build(mode: str) -> Problem:
     case = _make_case(mode)
     inputs = case.inputs
@@ -135,6 +159,7 @@ def _build(mode: str) -> Problem:
         dht=prepare.state_in(jnp.asarray(cts["final_state"], jnp.float32), geo),
         states=states,
         state_grads=state_grads,
+        scores=_scores_reference(case, geo.num_chunks),
         reference=oracle(case),
     )
 
@@ -182,22 +207,27 @@ def test_fwd_h_states_and_final_state(problem, chunks_per_step, no_races, interp
 @pytest.mark.parametrize("chunks_per_step", CHUNKS_PER_STEP)
 def test_fwd_outputs_and_final_state(problem, chunks_per_step, no_races, interpret):
     x, config = problem.inputs, problem.config
-    o, ht = chunk_fwd(
+    specs = config.specs().with_chunks_per_step(chunks_per_step)
+    o, ht, scores = chunk_fwd(
         x.q,
         x.k,
         x.v,
         x.gate,
         x.h0,
         x.meta,
-        specs=config.specs().with_chunks_per_step(chunks_per_step),
+        specs=specs,
         scale=config.scale,
         output_final_state=True,
         interpret=interpret,
+        keep_scores=True,
     )
     o = prepare.from_kernel(o, config.geometry, None, config.geometry.value_dim)
     assert_close("o", o, problem.reference.outputs["o"], TOL.output)
     final = prepare.state_out(ht, config.geometry)
     assert_close("final_state", final, problem.reference.outputs["final_state"], TOL.output)
+    assert scores.shape[2] == specs.num_tiles
+    for tile in range(specs.num_tiles):  # every V tile keeps the same scores
+        assert_close("scores", scores[:, :, tile], problem.scores, TOL.output)
 
 
 @pytest.mark.parametrize("chunks_per_step", CHUNKS_PER_STEP)
@@ -223,13 +253,15 @@ def test_bwd_dh_state_gradients(problem, chunks_per_step, no_races, interpret):
 def test_bwd_dv(problem, chunks_per_step, interpret):
     x, config = problem.inputs, problem.config
     dh = _to_kernel_states(problem.state_grads, problem)
+    specs = config.specs().with_chunks_per_step(chunks_per_step)
+    scores = jnp.asarray(problem.scores, jnp.float32)[:, :, None]
     dv = chunk_bwd_dv(
-        x.q,
         x.k,
         problem.do,
         x.gate,
         dh,
-        specs=config.specs().with_chunks_per_step(chunks_per_step),
+        jnp.repeat(scores, specs.num_tiles, axis=2),
+        specs=specs,
         scale=config.scale,
         dtype=jnp.float32,
         interpret=interpret,

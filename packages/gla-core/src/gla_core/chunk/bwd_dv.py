@@ -3,8 +3,8 @@
     dv_s = (k_s * e^{b_L - b_s}) G_c  +  scale * sum_{t>=s} A_ts do_t,
     A_ts = sum_k q_tk k_sk e^{b_tk - b_sk}
 
-with `G_c` the gradient of the state after chunk c (`chunk_bwd_dh`). Every grid axis is
-parallel.
+with `G_c` the gradient of the state after chunk c (`chunk_bwd_dh`) and `A` the intra-chunk
+scores the forward kept (`chunk_fwd(keep_scores=True)`). Every grid axis is parallel.
 """
 
 from __future__ import annotations
@@ -20,35 +20,35 @@ from gla_core.chunk.specs import ChunkSpecs
 from gla_core.pallas_transforms import fold_vmap
 
 
-def _bwd_dv_kernel(q_ref, k_ref, do_ref, gate_ref, dh_ref, *refs, gate_mode, scale, dtype):
-    # q, k [C, K]; do [C, Vt]; gate [1, C] or [C, K]; dh [Vt, K] float32; [key mask table]; dv [C, Vt]
+def _bwd_dv_kernel(k_ref, do_ref, gate_ref, dh_ref, scores_ref, *refs, gate_mode, scale, dtype):
+    # k [C, K]; do [C, Vt]; gate [1, C] or [C, K]; dh [Vt, K] float32; scores [C, C]; [key mask table]; dv [C, Vt]
     dv_ref = refs[-1]
-    gate = make_gate(gate_mode, gate_ref[...], dtype, *refs[:-1], products=True)
-    k = k_ref[...]
-    k_decayed = k.astype(jnp.float32) * gate.to_end()
+    gate = make_gate(gate_mode, gate_ref[...], dtype, *refs[:-1], products=False)
+    k_decayed = k_ref[...].astype(jnp.float32) * gate.to_end()
     from_state = dot(k_decayed, dh_ref[...], NT, dtype)  # [C, Vt]
-    scores = gate.scores(q_ref[...], k)  # [C, C]
-    intra = dot(scores, do_ref[...], TN, dtype)
+    intra = dot(scores_ref[...], do_ref[...], TN, dtype)
     dv_ref[...] = (from_state + scale * intra).astype(dv_ref.dtype)
 
 
-def chunk_bwd_dv(q, k, do, gate, dh, *, specs: ChunkSpecs, scale: float, dtype, interpret: bool):
+def chunk_bwd_dv(k, do, gate, dh, scores, *, specs: ChunkSpecs, scale: float, dtype, interpret: bool):
     """Value gradients.
 
     Args:
-      q, k: [B, H, Tp, K]; do: [B, H, Tp, V]; gate: as in `chunk_fwd_h`;
-      dh: [B, H, NT, V, K] float32 from `chunk_bwd_dh`; dtype: dtype of dv.
+      k: [B, H, Tp, K]; do: [B, H, Tp, V]; gate: as in `chunk_fwd_h`;
+      dh: [B, H, NT, V, K] float32 from `chunk_bwd_dh`;
+      scores: [B, H, NF, NT, C, C] intra-chunk scores from `chunk_fwd(keep_scores=True)`
+        (NF the V tiles of `specs`); dtype: dtype of dv.
 
     Returns:
       dv [B, H, Tp, V]. Under `jax.vmap` the mapped axis folds into B
       (`gla_core.pallas_transforms.fold_vmap`).
     """
     launch = functools.partial(_launch, specs=specs, scale=scale, dtype=dtype, interpret=interpret)
-    return fold_vmap(launch, (q, k, do, gate, dh), in_axes=(0,) * 5, out_axes=0)
+    return fold_vmap(launch, (k, do, gate, dh, scores), in_axes=(0,) * 5, out_axes=0)
 
 
-def _launch(q, k, do, gate, dh, *, specs: ChunkSpecs, scale: float, dtype, interpret: bool):
-    kernel = functools.partial(_bwd_dv_kernel, gate_mode=specs.gate_mode, scale=scale, dtype=mxu_dtype(q.dtype))
+def _launch(k, do, gate, dh, scores, *, specs: ChunkSpecs, scale: float, dtype, interpret: bool):
+    kernel = functools.partial(_bwd_dv_kernel, gate_mode=specs.gate_mode, scale=scale, dtype=mxu_dtype(k.dtype))
     return launch_value_pass(
-        "chunk_bwd_dv", kernel, q, k, do, gate, dh, specs=specs, out_dtype=dtype, interpret=interpret
+        "chunk_bwd_dv", kernel, k, do, gate, dh, scores, specs=specs, out_dtype=dtype, interpret=interpret
     )

@@ -9,7 +9,10 @@ state before the chunk, stored transposed `[V, K]`):
 with the state reset to `initial_state[seq]` at the first chunk of every sequence and the final
 state written at its last chunk (scalar-prefetched per-chunk metadata, see `prepare.ChunkMeta`).
 The states never leave VMEM; the backward recomputes them with `chunk_fwd_h`. `scale`
-multiplies the float32 accumulations (q is never pre-scaled).
+multiplies the float32 accumulations (q is never pre-scaled). For the backward the forward can
+also keep every chunk's intra-chunk scores `A[t, s] = sum_k q_tk k_sk e^{b_tk - b_sk}` (s <= t,
+unscaled), in the MXU dtype they are multiplied in, so `chunk_bwd_dv` takes `A^T do` without
+forming the gated products again.
 """
 
 from __future__ import annotations
@@ -27,14 +30,27 @@ from gla_core.pallas_transforms import fold_vmap
 
 
 def _fwd_kernel(
-    first_ref, last_ref, seq_ref, *refs, gate_mode, has_h0, has_ht, scale, dtype, chunks_per_step, chunk_in_step
+    first_ref,
+    last_ref,
+    seq_ref,
+    *refs,
+    gate_mode,
+    has_h0,
+    has_ht,
+    has_scores,
+    scale,
+    dtype,
+    chunks_per_step,
+    chunk_in_step,
 ):
     q_ref, k_ref, v_ref, gate_ref = refs[:4]  # [C, K], [C, K], [C, Vt], [1, C] or [C, K]
     h0_ref = refs[4] if has_h0 else None  # [Vt, K]
     has_table = gate_mode == "key"
     table = refs[4 + has_h0 : 4 + has_h0 + has_table]  # the key mask table, if any
-    o_ref = refs[4 + has_h0 + has_table]  # [C, Vt]
-    ht_ref = refs[5 + has_h0 + has_table] if has_ht else None  # [Vt, K]
+    outs = refs[4 + has_h0 + has_table :]
+    o_ref = outs[0]  # [C, Vt]
+    scores_ref = outs[1] if has_scores else None  # [C, C]
+    ht_ref = outs[1 + has_scores] if has_ht else None  # [Vt, K]
     state_ref = refs[-1]  # VMEM scratch [Vt, K] float32
     t = pl.program_id(3) * chunks_per_step + chunk_in_step  # the chunk
     opens_step, closes_step = step_edges(chunk_in_step, chunks_per_step)
@@ -44,7 +60,10 @@ def _fwd_kernel(
     gate = make_gate(gate_mode, gate_ref[...], dtype, *table, products=True)
     q, k, v = q_ref[...], k_ref[...], v_ref[...]
     inter = dot(q.astype(jnp.float32) * gate.from_start(), state, NT, dtype)  # [C, Vt]
-    intra = causal_dot(gate.scores(q, k), v, dtype)  # a non-finite v_s reaches rows t >= s only
+    scores = gate.scores(q, k)  # [C, C]
+    if has_scores:
+        scores_ref[...] = scores.astype(scores_ref.dtype)
+    intra = causal_dot(scores, v, dtype)  # a non-finite v_s reaches rows t >= s only
     o_ref[...] = (scale * (inter + intra)).astype(o_ref.dtype)
     k_decayed = k.astype(jnp.float32) * gate.to_end()  # [C, K]
     state = state * gate.last_decay() + dot(v, k_decayed, TN, dtype)
@@ -57,8 +76,21 @@ def _fwd_kernel(
             ht_ref[...] = state
 
 
-def chunk_fwd(q, k, v, gate, h0, meta, *, specs: ChunkSpecs, scale: float, output_final_state: bool, interpret: bool):
-    """Outputs of every chunk and the final states.
+def chunk_fwd(
+    q,
+    k,
+    v,
+    gate,
+    h0,
+    meta,
+    *,
+    specs: ChunkSpecs,
+    scale: float,
+    output_final_state: bool,
+    interpret: bool,
+    keep_scores: bool = False,
+):
+    """Outputs of every chunk, the final states and (for the backward) the intra-chunk scores.
 
     Args:
       q, k: [B, H, Tp, K] (Tp = NT * C, K a multiple of 128); v: [B, H, Tp, V].
@@ -68,29 +100,44 @@ def chunk_fwd(q, k, v, gate, h0, meta, *, specs: ChunkSpecs, scale: float, outpu
       specs: V-tiled block shapes and index maps of this call (several chunks per grid step only
         for fixed-length inputs: one per-sequence state per batch row).
       output_final_state: also return the final states.
+      keep_scores: also return every chunk's intra-chunk scores, for `chunk_bwd_dv`.
 
     Returns:
-      (o [B, H, Tp, V] in v's dtype, ht [N, H, V, K] float32 or None). Under `jax.vmap` the
-      mapped axis folds into B and N (`gla_core.pallas_transforms.fold_vmap`).
+      (o [B, H, Tp, V] in v's dtype, ht [N, H, V, K] float32 or None, scores
+      [B, H, NF, NT, C, C] in the MXU dtype of q (one copy per V tile) or None). Under `jax.vmap`
+      the mapped axis folds into B and N (`gla_core.pallas_transforms.fold_vmap`).
     """
     launch = functools.partial(
-        _launch, specs=specs, scale=scale, output_final_state=output_final_state, interpret=interpret
+        _launch,
+        specs=specs,
+        scale=scale,
+        output_final_state=output_final_state,
+        keep_scores=keep_scores,
+        interpret=interpret,
     )
     args = (q, k, v, gate, h0, meta.first, meta.last, meta.sequence)
     return fold_vmap(launch, args, in_axes=(0, 0, 0, 0, 0, None, None, None), out_axes=0)
 
 
-def _launch(q, k, v, gate, h0, first, last, sequence, *, specs, scale, output_final_state, interpret):
+def _launch(q, k, v, gate, h0, first, last, sequence, *, specs, scale, output_final_state, keep_scores, interpret):
+    dtype = mxu_dtype(q.dtype)
     kernel = functools.partial(
         _fwd_kernel,
         gate_mode=specs.gate_mode,
         has_h0=h0 is not None,
         has_ht=output_final_state,
+        has_scores=keep_scores,
         scale=scale,
-        dtype=mxu_dtype(q.dtype),
+        dtype=dtype,
         chunks_per_step=specs.chunks_per_step,
     )
     args = (q, k, v, gate, h0, first, last, sequence)
     return launch_output_pass(
-        "chunk_fwd", kernel, *args, specs=specs, state_out=output_final_state, interpret=interpret
+        "chunk_fwd",
+        kernel,
+        *args,
+        specs=specs,
+        state_out=output_final_state,
+        scores_dtype=dtype if keep_scores else None,
+        interpret=interpret,
     )

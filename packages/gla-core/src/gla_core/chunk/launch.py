@@ -8,10 +8,10 @@ a per-sequence state, carrying a `[Vt, K]` float32 state in VMEM scratch along t
 time axis with the per-chunk metadata (first, last, sequence) scalar-prefetched.
 
 `launch_output_pass`: the forward, `chunk_fwd`, the same sequential walk writing the outputs of
-every chunk instead of the states.
+every chunk instead of the states (and, for the backward, its intra-chunk scores).
 
 `launch_value_pass`: the fully parallel per-chunk pass with a value-shaped result,
-`chunk_bwd_dv` (dv from q, k, do and the state gradients)."""
+`chunk_bwd_dv` (dv from k, do, the state gradients and the forward's scores)."""
 
 from __future__ import annotations
 
@@ -113,21 +113,21 @@ def launch_state_pass(
     has_table = specs.gate_mode == "key"
     # first, last, sequence; row, column, gate, [state_in], [table]; per_chunk, [state_out]; the carried state
     kinds = "sss" + "rr" + gate_kind + "s" * (state_in is not None) + "s" * has_table + "c" + "s" * state_out + "s"
-    return _sequential_call(
+    (states,), state = _sequential_call(
         name,
         for_each_chunk(kernel, specs, kinds, pass_chunk=True),
         [row, column, gate],
         [specs.key(), specs.value(), specs.gate()],
         state_in,
         (first, last, sequence),
-        per_chunk,
-        specs.chunk_state(),
+        [(per_chunk, specs.chunk_state())],
         specs=specs,
         state_out=state_out,
         flops=flops,
         transcendentals=b * h * nv * nt * gate_transcendentals,
         interpret=interpret,
     )
+    return states, state
 
 
 def launch_output_pass(
@@ -144,39 +144,46 @@ def launch_output_pass(
     *,
     specs: ChunkSpecs,
     state_out: bool,
+    scores_dtype=None,
     interpret: bool,
-) -> tuple[jax.Array, jax.Array | None]:
-    """Runs `kernel(first, last, sequence, q, k, v, gate, [state_in], [table], o, [state_out], scratch,
-    chunk_in_step=)` for every chunk in order: the forward pass that carries the state along time
-    and writes the outputs of every chunk (several chunks per grid step, see `for_each_chunk`).
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    """Runs `kernel(first, last, sequence, q, k, v, gate, [state_in], [table], o, [scores], [state_out],
+    scratch, chunk_in_step=)` for every chunk in order: the forward pass that carries the state along
+    time and writes the outputs of every chunk (several chunks per grid step, see `for_each_chunk`)
+    and, given `scores_dtype`, every chunk's intra-chunk scores.
 
-    Returns (o [B, H, Tp, V] in v's dtype, per-sequence states [N, H, V, K] float32 or None
-    unless `state_out`).
+    Returns (o [B, H, Tp, V] in v's dtype, per-sequence states [N, H, V, K] float32 or None unless
+    `state_out`, scores [B, H, NF, NT, C, C] in `scores_dtype` (one copy per V tile) or None).
     """
     b, hh, _, kdim = q.shape
     nv, nt, c = specs.num_tiles, specs.num_chunks, specs.chunk
     gate_flops, transcendentals = intra_costs(specs.gate_mode, c, kdim, products=1)
     gate_kind = "r" if specs.gate_mode == "key" else "c"
     has_table = specs.gate_mode == "key"
-    # first, last, sequence; q, k, v, gate, [state_in], [table]; o, [state_out]; the carried state
-    kinds = "sss" + "rrr" + gate_kind + "s" * (state_in is not None) + "s" * has_table + "r" + "s" * state_out + "s"
-    kernel = for_each_chunk(kernel, specs, kinds, pass_chunk=True)
+    has_scores = scores_dtype is not None
+    # first, last, sequence; q, k, v, gate, [state_in], [table]; o, [scores], [state_out]; the carried state
+    kinds = "sss" + "rrr" + gate_kind + "s" * (state_in is not None) + "s" * has_table + "r" + "c" * has_scores
+    kernel = for_each_chunk(kernel, specs, kinds + "s" * state_out + "s", pass_chunk=True)
     per_chunk = 4 * c * kdim * specs.block_v + 2 * c * c * specs.block_v + 3 * kdim * specs.block_v
-    return _sequential_call(
+    outputs = [(jax.ShapeDtypeStruct(v.shape, v.dtype), specs.value())]
+    if has_scores:
+        scores = jax.ShapeDtypeStruct((b, hh, nv, nt, c, c), scores_dtype)
+        outputs.append((scores, specs.chunk_scores()))
+    per_chunk_outputs, state = _sequential_call(
         name,
         kernel,
         [q, k, v, gate],
         [specs.key(), specs.key(), specs.value(), specs.gate()],
         state_in,
         (first, last, sequence),
-        jax.ShapeDtypeStruct(v.shape, v.dtype),
-        specs.value(),
+        outputs,
         specs=specs,
         state_out=state_out,
         flops=b * hh * nv * nt * (gate_flops + per_chunk),
         transcendentals=b * hh * nv * nt * transcendentals,
         interpret=interpret,
     )
+    return per_chunk_outputs[0], state, (per_chunk_outputs[1] if has_scores else None)
 
 
 def _sequential_call(
@@ -186,18 +193,18 @@ def _sequential_call(
     in_specs: list,
     state_in: jax.Array | None,
     meta: tuple[jax.Array, jax.Array, jax.Array],
-    per_chunk: jax.ShapeDtypeStruct,
-    per_chunk_spec: pl.BlockSpec,
+    outputs: list[tuple[jax.ShapeDtypeStruct, pl.BlockSpec]],
     *,
     specs: ChunkSpecs,
     state_out: bool,
     flops: int,
     transcendentals: int,
     interpret: bool,
-) -> tuple[jax.Array, jax.Array | None]:
+) -> tuple[list[jax.Array], jax.Array | None]:
     """A `pallas_call` walking time in order ("arbitrary") with a `[Vt, K]` float32 state in VMEM
     scratch, the per-chunk metadata scalar-prefetched, an optional per-sequence state in and out
-    and the gate's mask table; the first output has one block per chunk."""
+    and the gate's mask table. `outputs`: (shape, block) of the outputs written chunk by chunk.
+    Returns (those outputs, the per-sequence states or None)."""
     kdim = inputs[0].shape[-1]
     inputs, in_specs = list(inputs), list(in_specs)
     if state_in is not None:
@@ -206,8 +213,8 @@ def _sequential_call(
     table, table_spec = mask_table_inputs(specs.gate_mode, specs.chunk)
     inputs += table
     in_specs += table_spec
-    out_shape = [per_chunk]
-    out_specs = [per_chunk_spec]
+    out_shape = [shape for shape, _ in outputs]
+    out_specs = [spec for _, spec in outputs]
     if state_out:
         b, h = inputs[0].shape[:2]
         out_shape.append(jax.ShapeDtypeStruct((b * specs.states_per_row, h, specs.value_dim, kdim), jnp.float32))
@@ -229,46 +236,46 @@ def _sequential_call(
             cost_estimate=cost,
             name=name,
         )(*meta, *inputs)
-    return outs[0], (outs[1] if state_out else None)
+    return list(outs[: len(outputs)]), (outs[len(outputs)] if state_out else None)
 
 
 def launch_value_pass(
     name: str,
     kernel,
-    q: jax.Array,
     k: jax.Array,
     value: jax.Array,
     gate: jax.Array,
     states: jax.Array,
+    scores: jax.Array,
     *,
     specs: ChunkSpecs,
     out_dtype,
     interpret: bool,
 ) -> jax.Array:
-    """Runs `kernel(q, k, value, gate, states, [table], out)` for every chunk, over (B, H, V tiles,
-    time blocks) all parallel (`table`: the `KeyMaskTable` of a per-key gate; `for_each_chunk`).
+    """Runs `kernel(k, value, gate, states, scores, [table], out)` for every chunk, over (B, H, V
+    tiles, time blocks) all parallel (`table`: the `KeyMaskTable` of a per-key gate; `for_each_chunk`).
 
-    q, k [B, H, Tp, K]; value [B, H, Tp, V]; states [B, H, NT, V, K] float32 (one per chunk).
-    Returns [B, H, Tp, V] in `out_dtype`.
+    k [B, H, Tp, K]; value [B, H, Tp, V]; states [B, H, NT, V, K] float32 (one per chunk);
+    scores [B, H, NF, NT, C, C] (the forward's, one copy per V tile). Returns [B, H, Tp, V] in `out_dtype`.
     """
-    b, hh, tp, kdim = q.shape
+    b, hh, tp, kdim = k.shape
     vdim = value.shape[-1]
     nv, nt, c = specs.num_tiles, specs.num_chunks, specs.chunk
     out_shape = jax.ShapeDtypeStruct((b, hh, tp, vdim), out_dtype)
-    flops, transcendentals = intra_costs(specs.gate_mode, c, kdim, products=1)
+    flops, transcendentals = intra_costs(specs.gate_mode, c, kdim, products=0)
     flops = b * hh * nv * nt * (flops + 2 * c * kdim * specs.block_v + 2 * c * c * specs.block_v)
     transcendentals = b * hh * nv * nt * transcendentals
     table, table_spec = mask_table_inputs(specs.gate_mode, c)
     gate_kind = "r" if specs.gate_mode == "key" else "c"
     with jax.named_scope(name):
         return pl.pallas_call(
-            for_each_chunk(kernel, specs, "rrr" + gate_kind + "c" + "s" * len(table) + "r"),
+            for_each_chunk(kernel, specs, "rr" + gate_kind + "cc" + "s" * len(table) + "r"),
             out_shape=out_shape,
             grid=specs.grid(b, hh),
-            in_specs=[specs.key(), specs.key(), specs.value(), specs.gate(), specs.chunk_state(), *table_spec],
+            in_specs=[specs.key(), specs.value(), specs.gate(), specs.chunk_state(), specs.chunk_scores(), *table_spec],
             out_specs=specs.value(),
             compiler_params=compiler_params("parallel", "parallel", "parallel", "parallel"),
             interpret=interpret_params(interpret),
-            cost_estimate=cost_estimate(flops, transcendentals, [q, k, value, gate, states, out_shape]),
+            cost_estimate=cost_estimate(flops, transcendentals, [k, value, gate, states, scores, out_shape]),
             name=name,
-        )(q, k, value, gate, states, *table)
+        )(k, value, gate, states, scores, *table)

@@ -1,8 +1,10 @@
 """The chunked gated-linear-attention op on the Pallas TPU chunk kernels, with its backward.
 
-Forward:  prepare -> chunk_fwd (states in VMEM, outputs and final states) -> back to [B, T, H, V].
+Forward:  prepare -> chunk_fwd (states in VMEM, outputs and final states; under differentiation
+          also the intra-chunk scores) -> back to [B, T, H, V].
 Backward: prepare do -> chunk_fwd_h (recomputed, states are not kept) -> chunk_bwd_dh ->
-          chunk_bwd_dv and chunk_bwd_dqkg -> back to the op's layout (g_gamma: summed over B, T).
+          chunk_bwd_dv (from the kept scores) and chunk_bwd_dqkg -> back to the op's layout
+          (g_gamma: summed over B, T).
 
 One `jax.custom_vjp` covers the whole op, so the re-layouts (padding, varlen gathers,
 transposes) are differentiated by hand: every token has exactly one slot in the kernel
@@ -141,7 +143,8 @@ class KernelInputs:
 
     q, k: [B, H, Tp, Kp]; v: [B, H, Tp, Vp] (compute dtype); gate: per-step log decays
     [B, H, NT, 1, C] or [B, H, Tp, Kp] (float32); h0: [N, H, Vp, Kp] float32 or None;
-    meta: per-chunk metadata; layout: the varlen chunk layout or None.
+    meta: per-chunk metadata; layout: the varlen chunk layout or None;
+    scores: the forward's intra-chunk scores [B, H, NF, NT, C, C] (residual of the VJP) or None.
     """
 
     q: jax.Array
@@ -151,6 +154,7 @@ class KernelInputs:
     h0: jax.Array | None
     meta: prepare.ChunkMeta
     layout: varlen.ChunkLayout | None
+    scores: jax.Array | None = None
     # Whether the backward multiplies in float32 for the gate gradient (`gate_grad_in_float32`).
     float32_gate_grad: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
@@ -177,10 +181,10 @@ def kernel_inputs(config: ChunkConfig, q, k, v, g, g_gamma, gk, initial_state, c
     )
 
 
-def _forward(config: ChunkConfig, q, k, v, g, g_gamma, gk, initial_state, cu_seqlens):
+def _forward(config: ChunkConfig, q, k, v, g, g_gamma, gk, initial_state, cu_seqlens, keep_scores=False):
     geo, specs = config.geometry, config.sequential_specs()
     x = kernel_inputs(config, q, k, v, g, g_gamma, gk, initial_state, cu_seqlens)
-    o, ht = chunk_fwd(
+    o, ht, scores = chunk_fwd(
         x.q,
         x.k,
         x.v,
@@ -191,7 +195,9 @@ def _forward(config: ChunkConfig, q, k, v, g, g_gamma, gk, initial_state, cu_seq
         scale=config.scale,
         output_final_state=config.output_final_state,
         interpret=config.interpret,
+        keep_scores=keep_scores,
     )
+    x = dataclasses.replace(x, scores=scores)
     o = prepare.from_kernel(o, geo, x.layout, geo.value_dim, v.dtype)
     if ht is not None:
         ht = prepare.state_out(ht, geo)
@@ -199,6 +205,11 @@ def _forward(config: ChunkConfig, q, k, v, g, g_gamma, gk, initial_state, cu_seq
             kept = initial_state.astype(jnp.float32) if initial_state is not None else jnp.zeros_like(ht)
             ht = jnp.where(x.layout.empty_sequence[:, None, None, None], kept, ht)
     return (o, ht), x
+
+
+def _forward_keeping_scores(config: ChunkConfig, *arrays):
+    """`_forward` for the VJP: the residuals also hold the intra-chunk scores for `chunk_bwd_dv`."""
+    return _forward(config, *arrays, keep_scores=True)
 
 
 def _backward(config: ChunkConfig, x: KernelInputs, cotangents):
@@ -222,7 +233,7 @@ def _backward(config: ChunkConfig, x: KernelInputs, cotangents):
         interpret=interpret,
     )
     dv_specs = config.dv_specs()
-    dv = chunk_bwd_dv(qk, kk, dok, gate, dh, specs=dv_specs, scale=scale, dtype=qk.dtype, interpret=interpret)
+    dv = chunk_bwd_dv(kk, dok, gate, dh, x.scores, specs=dv_specs, scale=scale, dtype=qk.dtype, interpret=interpret)
     dq, dk, da = chunk_bwd_dqkg(
         qk,
         kk,
@@ -313,7 +324,9 @@ def _chunk_attention(config, q, k, v, g, g_gamma, gk, initial_state, cu_seqlens)
     return _forward(config, q, k, v, g, g_gamma, gk, initial_state, cu_seqlens)[0]
 
 
-define_chunk_vjp(_chunk_attention, _forward, _backward, implementation=IMPLEMENTATION, op=OPS, g_gamma_argnum=5)
+define_chunk_vjp(
+    _chunk_attention, _forward_keeping_scores, _backward, implementation=IMPLEMENTATION, op=OPS, g_gamma_argnum=5
+)
 
 
 def chunk_gated_attention(

@@ -1,9 +1,10 @@
 """Block shapes and index maps of the chunk kernels, in one place.
 
 Kernel inputs live in `[B, H, Tp, D]` (time-major per head, D padded to 128 lanes), scalar
-gates in `[B, H, NT, 1, C]`, per-chunk states in `[B, H, NT, V, K]`, per-sequence states
-in `[N, H, V, K]`. Grids are `(B, H, NF, NT)`: the third axis tiles one feature dimension
-(V for the state and output kernels, K for the dq/dk/dgate kernel), the last is time. With
+gates in `[B, H, NT, 1, C]`, per-chunk states in `[B, H, NT, V, K]`, per-chunk intra-chunk
+scores in `[B, H, NF, NT, C, C]`, per-sequence states in `[N, H, V, K]`. Grids are
+`(B, H, NF, NT / n)`: the third axis tiles one feature dimension (V for the state and output
+kernels, K for the dq/dk/dgate kernel), the last is time. With
 scalar prefetch the index maps also receive the per-chunk metadata refs
 `(first, last, sequence)` after the grid indices.
 """
@@ -155,6 +156,15 @@ class ChunkSpecs:
             return b, h, c, vt, kt
 
         return pl.BlockSpec((None, None, *self._per_chunk(self.block_v, self.block_k)), chunk_state_index)
+
+    def chunk_scores(self) -> pl.BlockSpec:
+        """A chunk's intra-chunk scores, one copy per V tile: [(n,) C, C] of [B, H, NF, NT, C, C]."""
+
+        def chunk_scores_index(*indices):
+            b, h, vt, _, c = self._position(indices)
+            return b, h, vt, c, 0, 0
+
+        return pl.BlockSpec((None, None, None, *self._per_chunk(self.chunk, self.chunk)), chunk_scores_index)
 
     def state_of_sequence(self) -> pl.BlockSpec:
         """The state of the sequence owning the chunk: [Vt, Kt] of [N, H, V, K] (needs scalar prefetch;
