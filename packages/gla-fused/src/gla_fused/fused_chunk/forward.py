@@ -178,8 +178,8 @@ def _forward_kernel(*refs, geo: ForwardGeometry):
 
     def walk(masked: bool):
         """All chunks and heads of the block; returns the sum of the new states (finite unless a
-        k, v or state is not)."""
-        total = jnp.zeros((), F32)
+        k, v or state is not): summed over sublanes per head, over lanes once."""
+        total = jnp.zeros((1, state_ref.shape[-1]), F32)
         for chunk in range(geo.chunks_per_block):
             first = chunk * c
             window = pl.ds(first, c)
@@ -196,10 +196,10 @@ def _forward_kernel(*refs, geo: ForwardGeometry):
                         states_out[0, chunk, h] = state
                     o, new_state = _chunk_step(q, k, v, state, decays, geo.mxu_dtype, masked)
                     after[h] = new_state
-                    total = total + jnp.sum(new_state)
+                    total = total + jnp.sum(new_state, axis=0, keepdims=True)
                     outs.append(o)
                 o_rows.store(first, head, tuple(outs))
-        return total
+        return jnp.sum(total)
 
     # The products are unmasked first; a non-finite k or v (or state) makes the states' sum
     # non-finite, and the block is recomputed from its initial states with masks.
