@@ -162,6 +162,30 @@ def command_cost(args: argparse.Namespace) -> int:
     return 0
 
 
+def command_tune(args: argparse.Namespace) -> int:
+    """Sweeps the tuning options of every TPU implementation of an op by static estimate and
+    writes the chip's rows of the per-chip table (`gla_core.tuning`)."""
+    from gla_core import tune, tuning
+    from gla_core.static_profile import calibrate_clock
+
+    _require("libtpu", "gla tune (compile-only TPU devices)", "pip install 'gla-core[tpu]'")
+
+    def report(trial) -> None:
+        cycles = f"{trial.cycles:,} cycles" if trial.cycles is not None else f"failed: {trial.error}"
+        print(f"  {trial.implementation} {dict(trial.options)}: {cycles}", file=sys.stderr, flush=True)
+
+    shape = dict(batch=args.batch, seq_len=args.seq_len, heads=args.heads, stage=args.stage)
+    rows, trials = tune.sweep(args.op, args.chip, progress=report, **shape)
+    print(tune.render(args.op, args.chip, rows, trials, calibrate_clock(args.chip)))
+    if not rows:
+        print(f"no tunable implementation of {args.op} compiled; the table is unchanged", file=sys.stderr)
+        return 1
+    if not args.dry_run:
+        tuning.write_rows(args.chip, args.op, rows)
+        print(f"rows of {args.chip}/{args.op} written to {tuning.TABLE_PATH}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     OPS = default_registry().ops()
     parser = argparse.ArgumentParser(prog="gla", description="Gated linear attention kernels: registry and demo.")
@@ -227,6 +251,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="profile only the serving decode steps (v6e static estimate); keep every other row",
     )
     cost.set_defaults(run=command_cost)
+
+    tuning = commands.add_parser("tune", help="choose per-chip option defaults by TPU static estimate (needs jax[tpu])")
+    tuning.add_argument("op", choices=OPS)
+    tuning.add_argument("--chip", required=True, choices=("v5e", "v6e", "v7x"))
+    tuning.add_argument("-B", "--batch", type=int, default=1)
+    tuning.add_argument("-T", "--seq-len", type=int, default=1024)
+    tuning.add_argument("-H", "--heads", type=int, default=16)
+    tuning.add_argument("--stage", choices=("fwd", "train"), default="train", help="the program whose time counts")
+    tuning.add_argument("--dry-run", action="store_true", help="print the sweep, leave the table as it is")
+    tuning.set_defaults(run=command_tune)
     return parser
 
 

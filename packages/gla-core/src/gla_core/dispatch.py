@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gla_core import overrides
+from gla_core import overrides, tuning
 from gla_core.backend import backend, interpret_default
 from gla_core.errors import InvalidArgumentError, UnknownImplementationError
 from gla_core.options import check_impl_options, resolve_options
@@ -67,7 +67,9 @@ def _plan(
     if resolution.winner is not None:
         from_use = overrides.current().forced_options(op) if forced and forced[1].startswith("gla_core.use") else {}
         given = {**from_use, **impl_options.get(resolution.winner.name, {})}
-        resolution = dataclasses.replace(resolution, options=resolve_options(resolution.winner, given))
+        tuned, table_chip = tuning.tuned_defaults(op, resolution.winner.name, tuning.target_chip())
+        options = resolve_options(resolution.winner, given, tuned, table_chip)
+        resolution = dataclasses.replace(resolution, options=options)
     return registry, spec, resolution, arguments
 
 

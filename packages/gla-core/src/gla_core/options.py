@@ -6,7 +6,8 @@ An implementation lists its `Option`s; a call gives values with
 name to its options, so one call can carry options for every implementation it may end up on) or
 `gla_core.use(simple_gla=("fused_chunk", {"block_tokens": 256}))`. Only the chosen implementation's
 options are checked and passed on, as `arguments.options` (an `ImplOptions`, hashable: it is
-static under `jax.jit`); `explain` shows them.
+static under `jax.jit`); `explain` shows them. Options the call does not set take the per-chip
+defaults of `gla_core.tuning` for the chip the call is traced for, else the declared default.
 """
 
 from __future__ import annotations
@@ -28,21 +29,25 @@ class Option:
       check: `check(value) -> normalized value`, raising `InvalidArgumentError` (name, expected,
         received) for a bad one.
       doc: one line for people (`explain`, `gla list`).
+      candidates: the values `gla tune` tries for the per-chip table (empty: not tuned).
     """
 
     name: str
     default: Any
     check: Callable[[Any], Any]
     doc: str = ""
+    candidates: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
 class ImplOptions:
-    """The option values one implementation runs with: sorted (name, value) pairs, and which of
-    them the call set (the others are defaults)."""
+    """The option values one implementation runs with: sorted (name, value) pairs, which of them
+    the call set, which came from the per-chip table of `table_chip` (the others are defaults)."""
 
     values: tuple[tuple[str, Any], ...] = ()
     given: frozenset[str] = frozenset()
+    tuned: frozenset[str] = frozenset()
+    table_chip: str | None = None
 
     def __getitem__(self, name: str) -> Any:
         return dict(self.values)[name]
@@ -51,15 +56,27 @@ class ImplOptions:
         return dict(self.values).get(name, default)
 
     def describe(self) -> str:
-        """ "num_steps=2, block_v=128 (default)" for people."""
-        return ", ".join(f"{n}={v!r}" + ("" if n in self.given else " (default)") for n, v in self.values)
+        """ "num_steps=2, block_v=128 (default), block_chunks=8 (v6e table)" for people."""
+
+        def source(name: str) -> str:
+            if name in self.given:
+                return ""
+            return f" ({self.table_chip} table)" if name in self.tuned else " (default)"
+
+        return ", ".join(f"{n}={v!r}{source(n)}" for n, v in self.values)
 
 
 NO_OPTIONS = ImplOptions()
 
 
-def resolve_options(implementation, given: Mapping[str, Any] | None) -> ImplOptions:
-    """The options `implementation` runs with: its defaults, overridden by `given` (checked)."""
+def resolve_options(
+    implementation,
+    given: Mapping[str, Any] | None,
+    tuned: Mapping[str, Any] | None = None,
+    table_chip: str | None = None,
+) -> ImplOptions:
+    """The options `implementation` runs with: its defaults, overridden by the per-chip `tuned`
+    values of `table_chip`'s table, overridden by `given` (all checked)."""
     declared = {option.name: option for option in implementation.options}
     given = dict(given or {})
     unknown = sorted(set(given) - set(declared))
@@ -68,10 +85,20 @@ def resolve_options(implementation, given: Mapping[str, Any] | None) -> ImplOpti
             f"impl_options: {implementation.op} implementation {implementation.name!r} has no option "
             f"{', '.join(map(repr, unknown))}; its options: {sorted(declared) or 'none'}"
         )
+    tuned = {name: value for name, value in (tuned or {}).items() if name in declared and name not in given}
     values = {}
     for name, option in declared.items():
-        values[name] = option.check(given[name]) if name in given else option.default
-    return ImplOptions(tuple(sorted(values.items())), frozenset(given))
+        if name in given:
+            values[name] = option.check(given[name])
+        elif name in tuned:
+            try:
+                values[name] = option.check(tuned[name])
+            except InvalidArgumentError as error:
+                where = f"{table_chip} table of {implementation.op}/{implementation.name}"
+                raise InvalidArgumentError(f"{where} (gla_core.tuning): {error}") from None
+        else:
+            values[name] = option.default
+    return ImplOptions(tuple(sorted(values.items())), frozenset(given), frozenset(tuned), table_chip if tuned else None)
 
 
 def check_impl_options(value: Any) -> dict[str, dict[str, Any]]:

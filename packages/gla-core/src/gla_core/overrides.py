@@ -1,6 +1,6 @@
 """Overrides that change dispatch without code changes.
 
-`gla_core.use(simple_gla="chunk", backend="tpu", interpret=True)` is a context manager
+`gla_core.use(simple_gla="chunk", backend="tpu", interpret=True, chip="v6e")` is a context manager
 (nestable, thread-local); `GLA_IMPL_<OP>=name` environment variables force an implementation
 per op. Precedence: `impl=` on the call, then `use()`, then the environment, then priority.
 
@@ -25,12 +25,13 @@ from gla_core.errors import InvalidArgumentError
 from gla_core.options import check_impl_options
 from gla_core.records import BACKENDS
 from gla_core.registry import default_registry
+from gla_core.tuning import check_chip
 
 
 @dataclasses.dataclass(frozen=True)
 class Overrides:
     """The active overrides: forced implementation (and its options) per op, target backend,
-    interpret mode.
+    interpret mode, target TPU chip (for its per-chip option defaults, `gla_core.tuning`).
 
     Hashable (it is part of JAX's jit cache key): `implementations` is a sorted tuple of
     (op, implementation name, sorted option pairs); `forced(op)` and `forced_options(op)` read it.
@@ -39,6 +40,7 @@ class Overrides:
     implementations: tuple[tuple[str, str, tuple[tuple[str, Any], ...]], ...] = ()
     backend: str | None = None
     interpret: bool | None = None
+    chip: str | None = None
 
     def forced(self, op: str) -> str | None:
         """The implementation forced for `op`, or None."""
@@ -49,7 +51,11 @@ class Overrides:
         return next((dict(options) for o, _, options in self.implementations if o == op), {})
 
     def merged(
-        self, implementations: Mapping[str, tuple[str, dict]], backend: str | None, interpret: bool | None
+        self,
+        implementations: Mapping[str, tuple[str, dict]],
+        backend: str | None,
+        interpret: bool | None,
+        chip: str | None = None,
     ) -> Overrides:
         """These overrides with the given ones (op -> (name, options)) on top."""
         table = {op: (name, options) for op, name, options in self.implementations}
@@ -58,6 +64,7 @@ class Overrides:
             implementations=tuple(sorted((op, name, options) for op, (name, options) in table.items())),
             backend=backend if backend is not None else self.backend,
             interpret=interpret if interpret is not None else self.interpret,
+            chip=chip if chip is not None else self.chip,
         )
 
 
@@ -72,7 +79,9 @@ def current() -> Overrides:
 
 
 @contextlib.contextmanager
-def use(*, backend: str | None = None, interpret: bool | None = None, **implementations: Any) -> Iterator[Overrides]:
+def use(
+    *, backend: str | None = None, interpret: bool | None = None, chip: str | None = None, **implementations: Any
+) -> Iterator[Overrides]:
     """Overrides dispatch inside a `with` block (also for jitted functions called inside it).
 
     Args:
@@ -80,6 +89,9 @@ def use(*, backend: str | None = None, interpret: bool | None = None, **implemen
         Pallas implementations be chosen so they can be lowered with
         `jax.export(..., platforms=["tpu"])` or compiled for compile-only TPU devices.
       interpret: run Pallas TPU kernels in TPU interpret mode (off-TPU testing).
+      chip: the TPU chip calls are traced for ("v5e", "v6e", "v7x"): options a call does not set
+        take that chip's defaults (`gla_core.tuning`). Default: the chip of JAX's first device
+        if it is a TPU (compile-only devices need it said).
       **implementations: op name to implementation name, e.g. `simple_gla="chunk"`, or to
         (name, options), e.g. `simple_gla=("fused_chunk", {"block_tokens": 256})`.
 
@@ -96,7 +108,9 @@ def use(*, backend: str | None = None, interpret: bool | None = None, **implemen
         raise InvalidArgumentError(f"use(backend=...): expected one of {sorted(BACKENDS)}, got {backend!r}")
     if interpret is not None and not isinstance(interpret, bool):
         raise InvalidArgumentError(f"use(interpret=...): expected a bool, got {interpret!r}")
-    merged = current().merged(forced, backend, interpret)
+    if chip is not None:
+        check_chip(chip, "use(chip=...)")
+    merged = current().merged(forced, backend, interpret, chip)
     with _ACTIVE(merged):
         yield merged
 

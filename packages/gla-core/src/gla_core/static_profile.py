@@ -237,7 +237,7 @@ def _traced_kernels(spec: dict) -> list:
     from gla_core.overrides import use
 
     fn, structs = build_program(spec)
-    with use(backend="tpu", interpret=False):
+    with use(backend="tpu", interpret=False, chip=spec["chip"]):
         return pallas_equations(jax.make_jaxpr(fn)(*structs).jaxpr)
 
 
@@ -285,7 +285,7 @@ def _compile_worker(spec: dict, result_path: str) -> None:
     placed = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in structs]
     from gla_core.overrides import use
 
-    with use(backend="tpu", interpret=False):
+    with use(backend="tpu", interpret=False, chip=spec["chip"]):
         compiled = jax.jit(fn, donate_argnums=donate).lower(*placed).compile()
     memory = compiled.memory_analysis()
     out = {

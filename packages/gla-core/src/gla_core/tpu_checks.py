@@ -128,7 +128,7 @@ def compile_for_tpu(
     device = compile_only_device(chip)
     sharding = jax.sharding.SingleDeviceSharding(device)
     placed = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in args]
-    with use(backend="tpu", interpret=False):
+    with use(backend="tpu", interpret=False, chip=chip):
         compiled = jax.jit(fn, donate_argnums=donate_argnums).lower(*placed).compile()
     memory = compiled.memory_analysis()
     return CompileReport(chip, int(memory.temp_size_in_bytes), kernel_reports(compiled.as_text()))

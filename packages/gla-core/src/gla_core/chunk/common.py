@@ -82,7 +82,8 @@ BLOCK_CHUNKS_OPTION = Option(
     "block_chunks",
     DEFAULT_BLOCK_SIZES.block_chunks,
     positive_int("block_chunks"),
-    "most chunks per grid step (forward, dv, dq, dk, dgate)",
+    "most chunks per grid step (every kernel; one per step in the recurrences of packed sequences)",
+    candidates=(1, 2, 4, 8),
 )
 
 

@@ -13,8 +13,20 @@ NAME = IMPLEMENTATION
 PRIORITY = 110
 BACKENDS = frozenset({"tpu"})
 OPTIONS = (
-    Option("kernel_chunk", DEFAULT_KERNEL_CHUNK, positive_int("kernel_chunk", CHUNK_SIZES), "the kernels' chunk"),
-    Option("block_tokens", DEFAULT_BLOCK_TOKENS, positive_int("block_tokens"), "the most tokens per grid step"),
+    Option(
+        "kernel_chunk",
+        DEFAULT_KERNEL_CHUNK,
+        positive_int("kernel_chunk", CHUNK_SIZES),
+        "the kernels' chunk",
+        candidates=(64, 128),
+    ),
+    Option(
+        "block_tokens",
+        DEFAULT_BLOCK_TOKENS,
+        positive_int("block_tokens"),
+        "the most tokens per grid step",
+        candidates=(128, 256, 512),
+    ),
 )
 
 VARLEN_REASON = (

@@ -1,0 +1,125 @@
+"""`gla tune`: every TPU implementation's tuning options for one chip, by libtpu's static estimate.
+
+For each implementation of an op that runs on TPU and declares options with `candidates`, one
+option at a time (the others at their best so far, starting from the declared defaults), the
+program (the forward or the training step of `gla_core.cost.attention_problem`) is compiled for a
+compile-only device of the chip with every candidate, and the one with the smallest Pallas static
+cycles wins (ties: the earlier candidate). The winners become the chip's rows of the table of
+`gla_core.tuning`. These are compiler estimates, not TPU measurements.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from gla_core.registry import default_registry
+
+# The gate of the tuned program, per op (`attention_problem`'s `gate`).
+TUNING_GATE = {"simple_gla": "g", "gla": "gk", "kda": "g"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Trial:
+    """One compiled candidate: its implementation and options, and the Pallas static cycles of the
+    program (None when the compile failed, with the error)."""
+
+    implementation: str
+    options: tuple[tuple[str, Any], ...]
+    cycles: int | None
+    error: str = ""
+
+
+def tunable(op: str) -> list:
+    """The implementations of `op` that run on TPU and have options with candidates."""
+    return [
+        record
+        for record in default_registry().implementations(op)
+        if "tpu" in record.backends and any(option.candidates for option in record.options)
+    ]
+
+
+def program_spec(op: str, chip: str, implementation: str, options: dict, *, batch, seq_len, heads, stage) -> dict:
+    """The `gla_core.static_profile` spec of one trial."""
+    return {
+        "program": "attention",
+        "op": op,
+        "batch": batch,
+        "seq_len": seq_len,
+        "heads": heads,
+        "gate": TUNING_GATE.get(op, "g"),
+        "impl": implementation,
+        "impl_options": {implementation: options},
+        "stage": stage,
+        "chip": chip,
+    }
+
+
+def static_cycles(spec: dict) -> int:
+    """Pallas static cycles of the program `spec` describes (every kernel profiled in a program of
+    its own, in subprocesses: a whole profiled program can take more memory than a small machine has)."""
+    from gla_core.static_profile import profile_by_kernel
+
+    return profile_by_kernel(spec).pallas_cycles
+
+
+def sweep(
+    op: str,
+    chip: str,
+    *,
+    batch: int = 1,
+    seq_len: int = 1024,
+    heads: int = 16,
+    stage: str = "train",
+    measure: Callable[[dict], int] = static_cycles,
+    progress: Callable[[Trial], None] = lambda trial: None,
+) -> tuple[dict[str, dict[str, Any]], list[Trial]]:
+    """Coordinate search of every tunable implementation of `op` on `chip`.
+
+    Returns (the best options per implementation, every trial in order). `measure(spec)` gives the
+    cycles of a trial's program and raises when it does not compile.
+    """
+    rows, trials, cache = {}, [], {}
+
+    def cycles_of(record, options: dict) -> int | None:
+        key = (record.name, tuple(sorted(options.items())))
+        if key not in cache:
+            spec = program_spec(op, chip, record.name, options, batch=batch, seq_len=seq_len, heads=heads, stage=stage)
+            try:
+                trial = Trial(record.name, key[1], int(measure(spec)))
+            except Exception as error:  # a candidate that does not compile loses; the sweep goes on
+                trial = Trial(record.name, key[1], None, f"{type(error).__name__}: {error}")
+            cache[key] = trial.cycles
+            trials.append(trial)
+            progress(trial)
+        return cache[key]
+
+    for record in tunable(op):
+        best = {option.name: option.default for option in record.options}
+        for option in record.options:
+            scored = [(cycles_of(record, {**best, option.name: value}), value) for value in option.candidates]
+            compiled = [(cycles, value) for cycles, value in scored if cycles is not None]
+            if compiled:
+                best[option.name] = min(compiled, key=lambda pair: pair[0])[1]
+        if cycles_of(record, best) is not None:
+            rows[record.name] = best
+    return rows, trials
+
+
+def render(op: str, chip: str, rows: dict, trials: list[Trial], clock_hz: float | None = None) -> str:
+    """A markdown summary: every trial, and the chosen options."""
+    lines = [
+        f"## gla tune {op} --chip {chip}",
+        "",
+        "| implementation | options | static cycles | |",
+        "|---|---|---|---|",
+    ]
+    for trial in trials:
+        options = ", ".join(f"{name}={value}" for name, value in trial.options)
+        chosen = rows.get(trial.implementation) == dict(trial.options)
+        cycles = f"{trial.cycles:,}" if trial.cycles is not None else f"failed: {trial.error[:80]}"
+        if trial.cycles is not None and clock_hz:
+            cycles += f" ({trial.cycles / clock_hz * 1e6:.1f} us)"
+        lines.append(f"| {trial.implementation} | {options} | {cycles} | {'chosen' if chosen else ''} |")
+    return "\n".join(lines)

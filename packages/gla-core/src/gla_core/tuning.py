@@ -1,0 +1,82 @@
+"""Per-chip defaults of the implementations' tuning options, in one table.
+
+`tuned_defaults.json` (next to this module, written by `gla tune`) maps
+chip -> op -> implementation -> {option: value}. An option a call does not set takes the value
+of the table for the chip the call is traced for (`target_chip`), else the option's own default
+(`gla_core.options.Option.default`). Chips without rows of their own borrow those of a close
+relative (`BORROWED_FROM`); `explain` says which table a value came from. v7x borrows v6e's
+rows until it is swept itself; v5e borrows them too: libtpu (0.10.2's) aborts while writing the
+static profile of these kernels for v5e (an LLO type check on a bfloat16 unpack), so v5e cannot
+be swept by static estimate here (its compiles, without the profile, are checked by the
+tpu_compile tests with the borrowed values).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import pathlib
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+from gla_core.errors import InvalidArgumentError
+
+TABLE_PATH = pathlib.Path(__file__).with_name("tuned_defaults.json")
+CHIPS = ("v5e", "v6e", "v7x")
+BORROWED_FROM = {"v7x": "v6e", "v5e": "v6e"}
+# Substrings of `jax.Device.device_kind`, lowercase, by chip.
+_DEVICE_KINDS = {"v5e": ("v5 lite", "v5e"), "v6e": ("v6 lite", "v6e"), "v7x": ("tpu7x", "v7x", "tpu v7")}
+
+
+def check_chip(chip: Any, argument: str = "chip") -> str:
+    """`chip` if it is one of `CHIPS`, else an `InvalidArgumentError` naming `argument`."""
+    if chip not in CHIPS:
+        raise InvalidArgumentError(f"{argument}: expected one of {list(CHIPS)}, got {chip!r}")
+    return chip
+
+
+def chip_of(device_kind: str) -> str | None:
+    """The chip of a TPU `device_kind` ("TPU v6 lite" -> "v6e"), or None for other devices."""
+    kind = device_kind.lower()
+    return next((chip for chip, names in _DEVICE_KINDS.items() if any(name in kind for name in names)), None)
+
+
+def target_chip() -> str | None:
+    """The chip calls are traced for: `gla_core.use(chip=...)`, else JAX's first device if it is a
+    TPU of a known chip, else None (no table applies)."""
+    from gla_core.overrides import current  # overrides imports this module
+
+    chosen = current().chip
+    if chosen is not None:
+        return chosen
+    device = jax.devices()[0]
+    return chip_of(device.device_kind) if device.platform == "tpu" else None
+
+
+@functools.cache
+def load_table(path: pathlib.Path = TABLE_PATH) -> dict[str, Any]:
+    """The table as written by `gla tune` (an empty table if the file is missing)."""
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def tuned_defaults(op: str, implementation: str, chip: str | None) -> tuple[Mapping[str, Any], str | None]:
+    """(option values of the table for `implementation` of `op` on `chip`, the chip whose rows
+    they are), or ({}, None) when the table has none."""
+    if chip is None:
+        return {}, None
+    table = load_table()
+    for source in (chip, BORROWED_FROM.get(chip)):
+        values = table.get(source, {}).get(op, {}).get(implementation) if source else None
+        if values:
+            return values, source
+    return {}, None
+
+
+def write_rows(chip: str, op: str, rows: Mapping[str, Mapping[str, Any]], path: pathlib.Path = TABLE_PATH) -> None:
+    """Replaces the rows of `op` on `chip` (implementation -> options) in the table file."""
+    table = json.loads(path.read_text()) if path.exists() else {}
+    table.setdefault(check_chip(chip), {})[op] = {name: dict(values) for name, values in rows.items()}
+    path.write_text(json.dumps(table, indent=2, sort_keys=True) + "\n")
+    load_table.cache_clear()
