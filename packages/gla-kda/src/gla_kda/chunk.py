@@ -2,7 +2,9 @@
 
 In XLA, before the kernels: L2 normalization of q and k (`gla_kda.l2norm`), the gate
 (`gla_kda.gate.kda_gate`) and its floor (`gla_kda.inputs.floor_log_decay`), the beta sigmoid,
-the non-finite input guard (`gla_kda.nonfinite`), the varlen re-layout and the kernel layout.
+the non-finite input guard (`gla_kda.nonfinite`; the kernels zero the non-finite entries of q,
+k, v, g and floor g as they read them) and the varlen re-layout (q, k, v, g and o are otherwise
+read and written as token-major reshapes, `gla_kda.pallas.layout.to_tokens`).
 Each of these carries its own gradient; the kernels and their backward live in
 `gla_kda.pallas` (`chunk_pipeline`, a `jax.custom_vjp`).
 """
@@ -52,9 +54,13 @@ def kda_chunk(args):
         q, k = l2norm(q), l2norm(k)
     if args.use_gate_in_kernel:
         g = kda_gate(g, args.A_log, args.dt_bias, args.lower_bound, output_dtype=jnp.float32)
-    g = floor_log_decay(g.astype(jnp.float32))
+    g = g.astype(jnp.float32)
     beta = beta_of(args, jnp.float32)
-    guard, (q, k, v, g, beta, initial_state) = NonFiniteGuard.build(q, k, v, g, beta, initial_state, cu_seqlens)
+    # Only the guard's small masks, beta and the initial state are used from `build`: the kernels
+    # clean q, k, v and g themselves (`gla_kda.pallas.chunk_math.finite`, `clean_log_decay`).
+    guard, (_, _, _, _, beta, initial_state) = NonFiniteGuard.build(
+        q, k, v, floor_log_decay(g), beta, initial_state, cu_seqlens
+    )
 
     layout = kl.make_layout(seq_len, key_dim, value_dim, chunk_size, cu_seqlens)
     kp, vp = layout.key_pad, layout.value_pad
@@ -73,15 +79,15 @@ def kda_chunk(args):
     h0 = None if initial_state is None else kl.pad_state(initial_state, layout)
     o, ht = chunk_pipeline(
         config,
-        kl.to_kernel(q.astype(kernel_dtype), layout, kp),
-        kl.to_kernel(k.astype(kernel_dtype), layout, kp),
-        kl.to_kernel(v.astype(kernel_dtype), layout, vp),
-        kl.to_kernel(g, layout, kp),
-        kl.beta_blocks(kl.to_kernel(beta, layout, None), chunk_size),
+        kl.to_tokens(q.astype(kernel_dtype), layout, kp),
+        kl.to_tokens(k.astype(kernel_dtype), layout, kp),
+        kl.to_tokens(v.astype(kernel_dtype), layout, vp),
+        kl.to_tokens(g, layout, kp),
+        kl.beta_to_kernel(beta, layout),
         h0,
         kl.chunk_meta(layout, batch),
     )
-    o = kl.from_kernel(o, layout, value_dim).astype(out_dtype)
+    o = kl.from_tokens(o, layout, num_value_heads, value_dim).astype(out_dtype)
     if not output_final_state:
         return guard.apply(o)
     ht = kl.unpad_state(ht, layout)

@@ -1,10 +1,11 @@
-"""Unit tests of the kda `chunk` building blocks (plain jnp on the CPU, no Pallas).
+"""Unit tests of the kda `chunk` building blocks (plain jnp on the CPU).
 
 The in-kernel helpers of `gla_kda.pallas.chunk_math` are pure jnp functions, so they are
 checked here directly against float64 numpy brute force (explicit [C, C, K] decay tensors,
 np.linalg.inv), including decays strong enough that exp(G) underflows. Tolerance:
-`TOLERANCES["float32_building_block"]` (float32 arithmetic on O(C) terms). Also the XLA-side layout helpers and the
-registration record.
+`TOLERANCES["float32_building_block"]` (float32 arithmetic on O(C) terms). The in-kernel
+cumsum (`pltpu.roll`) runs in a Pallas call in TPU interpret mode. Also the XLA-side layout
+helpers and the registration record.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 import gla_core
 from gla_kda.pallas import chunk_math as cm
@@ -164,6 +167,32 @@ def test_local_cumsum_is_compensated():
     )
 
 
+def _in_kernel_local_cumsum(g):
+    """`chunk_math.Decays.of_steps` in a Pallas kernel (TPU interpret mode): (hi, lo) [C, K]."""
+
+    def kernel(g_ref, hi_ref, lo_ref):
+        decays = cm.Decays.of_steps(g_ref[...], cm.SubBlocks(C, S))
+        hi_ref[...], lo_ref[...] = decays.hi, decays.lo
+
+    out = jax.ShapeDtypeStruct((C, K), jnp.float32)
+    return pl.pallas_call(kernel, out_shape=[out, out], interpret=pltpu.InterpretParams())(g)
+
+
+def test_in_kernel_local_cumsum_matches_xla():
+    """The kernels' scan (rotations, TwoSum) is as compensated as `layout.local_cumsum`, and
+    cleans its input: -inf and floors to the float32 floor, NaN and +inf to 0."""
+    g, _, _ = _strong_then_weak(3)
+    g = np.asarray(g, np.float32)
+    g[3, 0], g[20, 1], g[40, 2], g[50, 3] = -np.inf, np.nan, np.inf, -1e30
+    hi, lo = _in_kernel_local_cumsum(jnp.asarray(g))
+    clean = np.where(np.isfinite(g), np.maximum(g, cm.LOG_DECAY_FLOOR), 0.0).astype(np.float32)
+    clean[3, 0] = cm.LOG_DECAY_FLOOR
+    exact = np.cumsum(clean.astype(np.float64).reshape(C // S, S, K), axis=1).reshape(C, K)
+    assert_close(
+        "hi + lo", np.asarray(hi, np.float64) + np.asarray(lo, np.float64), exact, TOLERANCES["float64_identity"].output
+    )
+
+
 @pytest.mark.parametrize("unroll", [False, True])
 def test_unit_lower_inverse(unroll):
     rng = np.random.default_rng(3)
@@ -205,9 +234,12 @@ def test_kernel_layout_round_trip(cu_seqlens):
     x = jnp.asarray(rng.standard_normal((1, 90, 3, 20)), jnp.float32)
     cu = None if cu_seqlens is None else jnp.asarray(cu_seqlens, jnp.int32)
     layout = kl.make_layout(90, 20, 20, 32, cu)
-    kernel = kl.to_kernel(x, layout, layout.key_pad)
-    assert kernel.shape == (1, 3, layout.padded_len, 128)
-    np.testing.assert_array_equal(kl.from_kernel(kernel, layout, 20), x)
+    tokens = kl.to_tokens(x, layout, layout.key_pad)
+    assert tokens.shape == (1, layout.padded_len, 3 * 128)
+    np.testing.assert_array_equal(kl.from_tokens(tokens, layout, 3, 20), x)
+    heads = kl.heads_first(tokens, 3)
+    assert heads.shape == (1, 3, layout.padded_len, 128)
+    np.testing.assert_array_equal(kl.tokens_first(heads), tokens)
     meta = kl.chunk_meta(layout, 1)
     assert meta.first.shape == meta.last.shape == meta.seq.shape == (layout.num_chunks,)
 

@@ -2,8 +2,10 @@
 
 Modules (kernel bodies separate from their launchers in each):
   config     block sizes, dtypes and compiler parameters shared by every kernel
-  chunk_math in-kernel building blocks: decay-anchored gated products, (I + A)^-1, transposes
-  layout     XLA side: [B, T, H, D] inputs to the kernels' [B, H, T, D] chunk layout and back
+  chunk_math in-kernel building blocks: input cleaning, the decay cumsum, decay-anchored gated
+             products, (I + A)^-1, transposes
+  layout     XLA side: [B, T, H, D] inputs as token-major [B, T, H*D] views for the forward
+             kernels, head-major [B, H, T, D] copies for the backward kernels, and back
   intra      forward intra-chunk kernel: (I + Akk)^-1 and Aqk per chunk
   state      forward inter-chunk state kernel: WY quantities, delta-rule state recurrence
   output     forward output kernel: o = q S + Aqk v_new per chunk

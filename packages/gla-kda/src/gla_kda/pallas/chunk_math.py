@@ -24,8 +24,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+
+from gla_kda.inputs import log_decay_floor
 
 F32 = jnp.float32
+LOG_DECAY_FLOOR = log_decay_floor(F32)
 
 
 def dot(a, b, dtype, *, trans_a: bool = False, trans_b: bool = False):
@@ -68,6 +72,19 @@ def f32_dot(dtype):
     if jnp.dtype(dtype) == F32:
         return functools.partial(dot, dtype=F32)
     return dot_bf16x3
+
+
+def finite(x):
+    """x [..] as float32 with NaN and +-inf replaced by 0 (`gla_kda.nonfinite.zero_nonfinite` in a kernel)."""
+    x = x.astype(F32)
+    return jnp.where(jnp.abs(x) < jnp.inf, x, 0.0)
+
+
+def clean_log_decay(g):
+    """Per-step log decays g [..] float32 as the chunked forms take them: raised to the float32
+    floor (`gla_kda.inputs.floor_log_decay`; -inf becomes the floor), then NaN and +inf zeroed."""
+    g = g.astype(F32)
+    return finite(jnp.where(g < LOG_DECAY_FLOOR, LOG_DECAY_FLOOR, g))
 
 
 def iota(shape, axis: int):
@@ -138,6 +155,63 @@ class SubBlocks:
         return slabs[0] if len(slabs) == 1 else jnp.concatenate(slabs, axis=0)
 
 
+def _grid_scale(sub: int) -> float:
+    """2^f for the grid 2^-f on which sums over a sub-block of cleaned log decays (|x| <= 104,
+    |sum| < 2^b, b the bits of s * 104) are exact in float32: f = 23 - b (one bit spare)."""
+    bits = int(sub * -LOG_DECAY_FLOOR).bit_length()
+    return 2.0 ** (23 - bits)
+
+
+def _on_grid(x, scale: float):
+    """x [..] float32 truncated toward zero to a multiple of 1 / scale (a power of two), exactly.
+
+    Through int32 (|x| * scale < 2^31): (x + R) - R would round the same way, but compilers
+    fold it to x.
+    """
+    return (x * scale).astype(jnp.int32).astype(F32) * (1.0 / scale)
+
+
+def split_on_grid(g, sub: int):
+    """(coarse, fine), g = coarse + fine exactly, for cleaned log decays g [..] float32: coarse on
+    a grid whose float32 sums over s = `sub` steps are exact (`_grid_scale`), |fine| below
+    one grid step."""
+    coarse = _on_grid(g, _grid_scale(sub))
+    return coarse, g - coarse
+
+
+def _rows_scan(x, inside):
+    """Inclusive float32 prefix sums of x [R, K] along rows within sub-blocks (Hillis-Steele).
+
+    inside[d] is the [R, K] mask of rows whose sub-block position is >= shift d (1, 2, 4, ...);
+    rows come from the previous ones by sublane rotations (`pltpu.roll`, as `jnp.roll`).
+    """
+    for shift, keep in inside:
+        x = x + jnp.where(keep, pltpu.roll(x, shift, 0), 0.0)
+    return x
+
+
+def local_cumsum(g, sb: SubBlocks, compensated: bool = True):
+    """Inclusive cumsum of g [R, K] (cleaned log decays, R a multiple of s) along rows, restarting every sub-block.
+
+    Returns (hi, lo): with `compensated`, both [R, K] float32, the cumsum as the unevaluated
+    sum hi + lo that `Decays` expects: g is split into a part on a grid whose sums are exact
+    in float32 (hi; grid 2^-12 for s = 16, `split_on_grid`) and the rest, less than a grid
+    step, whose float32 sums err by ~2^-24 of that (lo). Otherwise (hi, None), hi the rounded
+    float32 cumsum.
+    """
+    rows, width = g.shape
+    position = iota((rows // sb.sub, sb.sub, width), 1).reshape(rows, width)
+    inside = []
+    shift = 1
+    while shift < sb.sub:
+        inside.append((shift, position >= shift))
+        shift *= 2
+    if not compensated:
+        return _rows_scan(g, inside), None
+    coarse, fine = split_on_grid(g, sb.sub)
+    return _rows_scan(coarse, inside), _rows_scan(fine, inside)
+
+
 class Decays:
     """Every decay exponent a kernel needs, from the sub-block-local cumsum L [C, K] of g.
 
@@ -160,6 +234,14 @@ class Decays:
         last = [(b + 1) * sb.sub - 1 for b in range(sb.count)]
         self.totals = [hi[i : i + 1] + (0.0 if lo is None else lo[i : i + 1]) for i in last]
         self._totals_parts = [(hi[i : i + 1], None if lo is None else lo[i : i + 1]) for i in last]
+
+    @classmethod
+    def of_steps(cls, g, sb: SubBlocks, compensated: bool = True):
+        """The decays of one chunk from its raw per-step log decays g [C, K] (any float dtype,
+        possibly non-finite or below the floor: cleaned by `clean_log_decay`); without
+        `compensated`, only `cum` and `total` (no low part, `local_cumsum`)."""
+        hi, lo = local_cumsum(clean_log_decay(g), sb, compensated)
+        return cls(hi, sb, lo)
 
     def _difference(self, x_hi, x_lo, y_hi, y_lo):
         """(x - y) from the unevaluated sums x = x_hi + x_lo and y = y_hi + y_lo."""

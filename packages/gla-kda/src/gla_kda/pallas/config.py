@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from gla_core.kit import NUM_SUBLANES, interpret_params
@@ -112,3 +114,16 @@ def compiler_params(sequential_time: bool):
     """Mosaic parameters for a (batch, value head, chunk) grid; time is "arbitrary" when sequential."""
     time = "arbitrary" if sequential_time else "parallel"
     return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", time))
+
+
+def token_block(rows: int, dim: int, group: int = 1):
+    """Block [rows, dim] of a token-major `[B, Tp, H*dim]` array for grid step (b, j, t) of a
+    (batch, value head, time) grid: rows t*rows.. of head j // group (dim a multiple of 128, so
+    a head's lanes are one block). Scalar-prefetch refs after the grid indices are ignored.
+    """
+
+    def index(b, j, t, *_):
+        head = j if group == 1 else jax.lax.div(j, jnp.int32(group))
+        return (b, t, head)
+
+    return pl.BlockSpec((None, rows, dim), index)

@@ -1,7 +1,8 @@
 """Forward intra-chunk kernel: the WY inverse (I + Akk)^-1 and the attention Aqk of every chunk.
 
-Per chunk (C tokens, q/k already in the kernel layout, G the within-chunk cumsum of the decay,
-given as its sub-block-local form, see `chunk_math.Decays`):
+Per chunk (C tokens of the user's q/k/g, read in place through token-major views, G the
+within-chunk cumsum of the decay, formed in the kernel as its sub-block-local form, see
+`chunk_math.Decays`):
   Akk_ij = beta_i sum_d k_id k_jd exp(G_id - G_jd)          j < i   (strictly lower)
   Tinv   = (I + Akk)^-1                                       (blocked forward substitution)
   Aqk_ij = scale sum_d q_id k_jd exp(G_id - G_jd)           j <= i
@@ -18,12 +19,13 @@ from jax.experimental import pallas as pl
 
 from gla_core.kit import fold_vmap, row_to_column
 from gla_kda.pallas import chunk_math as cm
-from gla_kda.pallas.config import KernelConfig, compiler_params
+from gla_kda.pallas.config import KernelConfig, compiler_params, token_block
 
 
-def intra_kernel(q_ref, k_ref, g_ref, g_lo_ref, beta_ref, tinv_ref, aqk_ref, *, config: KernelConfig):
-    """Blocks of n chunks: q, k, g, g_lo (sub-block-local decay cumsum, hi and lo parts) [n*C, K];
-    beta [n, 1, C]; outputs tinv, aqk [n*C, C] float32.
+def intra_kernel(q_ref, k_ref, g_ref, beta_ref, tinv_ref, aqk_ref, *, config: KernelConfig):
+    """Blocks of n chunks: q, k [n*C, K] input dtype; g [n*C, K] raw per-step log decays (cleaned
+    and cumsummed here, `chunk_math.Decays.of_steps`); beta [n, 1, C]; outputs tinv, aqk [n*C, C]
+    float32.
 
     The chunks are independent; their (I + Akk)^-1 are solved together (`unit_lower_inverses`)
     so that the serial chains of the substitution interleave.
@@ -33,25 +35,20 @@ def intra_kernel(q_ref, k_ref, g_ref, g_lo_ref, beta_ref, tinv_ref, aqk_ref, *, 
     strict = cm.lower_mask(sb.chunk, strict=True)
     akks = []
     for n, rows in enumerate(chunks):
-        q = q_ref[rows, :].astype(cm.F32) * config.scale
-        k = k_ref[rows, :].astype(cm.F32)
-        decays = cm.Decays(g_ref[rows, :], sb, g_lo_ref[rows, :])
+        q = cm.finite(q_ref[rows, :]) * config.scale
+        k = cm.finite(k_ref[rows, :])
+        decays = cm.Decays.of_steps(g_ref[rows, :], sb)
         kk, aqk_ref[rows, :] = cm.gated_scores([k, q], k, decays, config.mxu_dtype, config.unroll)
         akks.append(jnp.where(strict, row_to_column(beta_ref[n]) * kk, 0.0))
     for rows, tinv in zip(chunks, cm.unit_lower_inverses(akks, sb, config.unroll, config.mxu_dtype), strict=True):
         tinv_ref[rows, :] = tinv
 
 
-def qk_index(b, j, t, *_, group: int):
-    """q/k block of value head j: q/k head j // group (truncating division: no sign op in Mosaic)."""
-    return (b, jax.lax.div(j, jnp.int32(group)), t, 0)
-
-
-def head_index(b, j, t, *_):
+def head_index(b, j, t):
     return (b, j, t, 0)
 
 
-def beta_index(b, j, t, *_):
+def beta_index(b, j, t):
     return (b, j, t, 0, 0)
 
 
@@ -60,32 +57,33 @@ def intra_cost(batch, heads, num_chunks, c, k, s, itemsize):
     steps = batch * heads * num_chunks
     flops = steps * (2 * 2 * c * c * k + 3 * 2 * c * s * k + 2 * c * c * c + 2 * c * c * s)
     transcendentals = steps * (s + c // s) * c * k
-    bytes_accessed = steps * (2 * c * k * itemsize + 2 * c * k * 4 + c * 4 + 2 * c * c * 4)
+    bytes_accessed = steps * (2 * c * k * itemsize + c * k * 4 + c * 4 + 2 * c * c * 4)
     return pl.CostEstimate(flops=flops, transcendentals=transcendentals, bytes_accessed=bytes_accessed)
 
 
-def launch_intra(q, k, g, g_lo, beta, config: KernelConfig):
+def launch_intra(q, k, g, beta, config: KernelConfig):
     """(Tinv, Aqk) for every chunk.
 
     Args:
-      q, k: [B, H, Tp, K] input dtype.  g, g_lo: [B, HV, Tp, K] float32 sub-block-local decay
-      cumsum (`layout.local_cumsum`).
+      q, k: [B, Tp, H*K] input dtype (token-major, `layout.to_tokens`; K a multiple of 128).
+      g: [B, Tp, HV*K] float32 raw per-step log decays.
       beta: [B, HV, NT, 1, C] float32.
     Returns:
       tinv, aqk: [B, HV, Tp, C] float32.
       Under `jax.vmap` the mapped axis folds into B (`gla_core.pallas_transforms.fold_vmap`).
     """
     launch = functools.partial(_launch_intra, config=config)
-    return fold_vmap(launch, (q, k, g, g_lo, beta), in_axes=(0,) * 5, out_axes=0)
+    return fold_vmap(launch, (q, k, g, beta), in_axes=(0,) * 4, out_axes=0)
 
 
-def _launch_intra(q, k, g, g_lo, beta, *, config: KernelConfig):
-    batch, heads, padded_len, key_dim = g.shape
+def _launch_intra(q, k, g, beta, *, config: KernelConfig):
+    batch, heads = beta.shape[:2]
+    padded_len, key_dim = g.shape[1], g.shape[2] // heads
     c = config.blocks.chunk_size
     num_chunks = padded_len // c
     per_step = config.blocks.per_step(num_chunks)
     rows = per_step * c
-    qk_spec = pl.BlockSpec((None, None, rows, key_dim), functools.partial(qk_index, group=config.group))
+    qk_spec = token_block(rows, key_dim, config.group)
     out_spec = pl.BlockSpec((None, None, rows, c), head_index)
     out_shape = jax.ShapeDtypeStruct((batch, heads, padded_len, c), jnp.float32)
     with jax.named_scope("kda_intra"):
@@ -95,8 +93,7 @@ def _launch_intra(q, k, g, g_lo, beta, *, config: KernelConfig):
             in_specs=[
                 qk_spec,
                 qk_spec,
-                pl.BlockSpec((None, None, rows, key_dim), head_index),
-                pl.BlockSpec((None, None, rows, key_dim), head_index),
+                token_block(rows, key_dim),
                 pl.BlockSpec((None, None, per_step, 1, c), beta_index),
             ],
             out_specs=[out_spec, out_spec],
@@ -107,4 +104,4 @@ def _launch_intra(q, k, g, g_lo, beta, *, config: KernelConfig):
             ),
             interpret=config.interpret_arg,
             name="kda_intra",
-        )(q, k, g, g_lo, beta)
+        )(q, k, g, beta)

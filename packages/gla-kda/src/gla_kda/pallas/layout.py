@@ -1,11 +1,16 @@
 """XLA side of the kda chunk kernels: the kernel layout of the inputs, and back.
 
-Kernels see `[B, H, Tp, Dp]` (heads before time: a block squeezing H in the second-minor
-position would not lower), Tp a multiple of the chunk size C and Dp a multiple of 128 lanes,
-every padded element exactly zero (zero k, q, v, beta and log decay contribute nothing and
-leave the state unchanged). Packed varlen input is first re-laid out by
-`gla_core.varlen` so each chunk holds tokens of one sequence. Everything here is plain,
-differentiable `jnp`; gathers happen here, never in kernels.
+The forward kernels read q, k, v, g and write o token-major, `[B, Tp, H*Dp]`: a reshape of
+the user's `[B, T, H, D]` array when T is a multiple of the chunk size C, D of 128 lanes and
+the input is not packed varlen; a head's Dp lanes are one block (`config.token_block`). On
+TPU the reshape is not free for bfloat16: XLA tiles the last two dims, (H, D) before and
+(T, H*D) after, so it is one relayout copy (measured in the compiled forward), still no
+transpose to `[B, H, T, D]`. Otherwise the view is padded with zeros to Tp = NT * C tokens
+and Dp lanes per head (zero k, q, v, beta and log decay contribute nothing and leave the state
+unchanged), and packed varlen input is first re-laid out by `gla_core.varlen` so each chunk
+holds tokens of one sequence. beta, the backward kernels and the kernels' own intermediates use the head-major
+`[B, H, Tp, ...]` layout (`heads_first`). Everything here is plain, differentiable `jnp`;
+gathers happen here, never in kernels.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from gla_core.kit import NUM_LANES, ChunkLayout, build_chunk_layout, from_chunks, pad_axis, round_up, to_chunks
+from gla_kda.pallas.chunk_math import split_on_grid
 
 
 @jax.tree_util.register_dataclass
@@ -85,46 +91,55 @@ def chunk_meta(layout: KernelLayout, batch: int) -> ChunkMeta:
     )
 
 
-def to_kernel(x, layout: KernelLayout, dim_pad: int | None):
-    """[B, T, H, D] -> [B, H, Tp, Dp] (`dim_pad` None: no feature axis, [B, T, H] -> [B, H, Tp])."""
-    x = pad_axis(x, 1, layout.padded_len) if layout.varlen is None else to_chunks(x, layout.varlen)
-    x = jnp.swapaxes(x, 1, 2)
-    return x if dim_pad is None else pad_axis(x, -1, dim_pad)
+def _to_slots(x, layout: KernelLayout):
+    """[B, T, ...] -> [B, Tp, ...]: zero-padded, or varlen's chunk slots."""
+    return pad_axis(x, 1, layout.padded_len) if layout.varlen is None else to_chunks(x, layout.varlen)
 
 
-def from_kernel(y, layout: KernelLayout, dim: int):
-    """[B, H, Tp, Dp] -> [B, T, H, D]."""
-    y = jnp.swapaxes(y[..., :dim], 1, 2)
+def to_tokens(x, layout: KernelLayout, dim_pad: int):
+    """[B, T, H, D] -> token-major [B, Tp, H*Dp] (a reshape when Tp = T, Dp = D and not varlen)."""
+    x = pad_axis(_to_slots(x, layout), 3, dim_pad)
+    return x.reshape(x.shape[0], x.shape[1], -1)
+
+
+def from_tokens(y, layout: KernelLayout, heads: int, dim: int):
+    """Token-major [B, Tp, H*Dp] -> [B, T, H, D]."""
+    y = y.reshape(y.shape[0], y.shape[1], heads, -1)[..., :dim]
     if layout.varlen is not None:
         return from_chunks(y, layout.varlen)
     return y[:, : layout.seq_len]
 
 
-def local_cumsum(g, sub_chunk: int):
-    """Inclusive cumsum along time of g [B, H, Tp, K] (float32), restarting every `sub_chunk` steps.
+def beta_to_kernel(beta, layout: KernelLayout):
+    """beta [B, T, HV] -> [B, HV, NT, 1, C]: one lane-dense row per chunk (a small transpose)."""
+    beta = jnp.swapaxes(_to_slots(beta, layout), 1, 2)
+    batch, heads, padded_len = beta.shape
+    return beta.reshape(batch, heads, padded_len // layout.chunk_size, 1, layout.chunk_size)
 
-    Returns (hi, lo), both [B, H, Tp, K] float32: the cumsum as an unevaluated sum hi + lo,
-    hi the running float32 sum and lo the accumulated rounding error of its additions (TwoSum,
-    exact), so differences of the cumsum stay accurate (`chunk_math.Decays`).
+
+def heads_first(x, heads: int):
+    """Token-major [B, Tp, H*D] -> head-major [B, H, Tp, D] (a transposed copy)."""
+    batch, padded_len, width = x.shape
+    return jnp.swapaxes(x.reshape(batch, padded_len, heads, width // heads), 1, 2)
+
+
+def tokens_first(y):
+    """Head-major [B, H, Tp, D] -> token-major [B, Tp, H*D]."""
+    batch, heads, padded_len, dim = y.shape
+    return jnp.swapaxes(y, 1, 2).reshape(batch, padded_len, heads * dim)
+
+
+def local_cumsum(g, sub_chunk: int):
+    """Inclusive cumsum along time of g [B, H, Tp, K] (cleaned float32 log decays), restarting every `sub_chunk` steps.
+
+    Returns (hi, lo), both [B, H, Tp, K] float32: the cumsum as an unevaluated sum hi + lo (the
+    backward kernels' form of `chunk_math.local_cumsum`): hi the exact cumsum of g's part on a
+    grid (`chunk_math.split_on_grid`), lo the float32 cumsum of the rest, so differences of the
+    cumsum stay accurate (`chunk_math.Decays`).
     """
     batch, heads, padded_len, key_dim = g.shape
-    steps = jnp.moveaxis(g.reshape(batch, heads, padded_len // sub_chunk, sub_chunk, key_dim), 3, 0)
-    hi = lo = jnp.zeros(steps.shape[1:], g.dtype)
-    his, los = [], []
-    for step in steps:
-        total = hi + step
-        back = total - hi
-        lo = lo + ((hi - (total - back)) + (step - back))
-        hi = total
-        his.append(hi)
-        los.append(lo)
-    return tuple(jnp.stack(parts, axis=3).reshape(g.shape) for parts in (his, los))
-
-
-def beta_blocks(beta, chunk_size: int):
-    """beta [B, HV, Tp] -> [B, HV, NT, 1, C]: one lane-dense row per chunk."""
-    batch, heads, padded_len = beta.shape
-    return beta.reshape(batch, heads, padded_len // chunk_size, 1, chunk_size)
+    blocks = (batch, heads, padded_len // sub_chunk, sub_chunk, key_dim)
+    return tuple(jnp.cumsum(part.reshape(blocks), axis=3).reshape(g.shape) for part in split_on_grid(g, sub_chunk))
 
 
 def pad_state(state, layout: KernelLayout):

@@ -14,17 +14,19 @@ from jax.experimental import pallas as pl
 
 from gla_core.kit import fold_vmap
 from gla_kda.pallas import chunk_math as cm
-from gla_kda.pallas.config import KernelConfig, compiler_params
+from gla_kda.pallas.config import KernelConfig, compiler_params, token_block
 
 
 def output_kernel(q_ref, g_ref, h_ref, delta_ref, aqk_ref, o_ref, *, config: KernelConfig):
-    """Blocks of n chunks: q, g [n*C, K]; h [n*K, V]; delta [n*C, V]; aqk [n*C, C]; output o [n*C, V]."""
+    """Blocks of n chunks: q [n*C, K]; g [n*C, K] raw per-step log decays; h [n*K, V];
+    delta [n*C, V]; aqk [n*C, C]; output o [n*C, V]."""
     c, key_dim = config.blocks.chunk_size, q_ref.shape[-1]
     sb = cm.SubBlocks(c, config.blocks.sub_chunk)
     for n in range(h_ref.shape[0] // key_dim):
         rows = pl.ds(n * c, c)
+        # q is not cleaned: a non-finite q_t only reaches o_t, which the guard poisons anyway.
         q = q_ref[rows, :].astype(cm.F32) * config.scale
-        decayed_q = q * jnp.exp(cm.Decays(g_ref[rows, :], sb).cum)
+        decayed_q = q * jnp.exp(cm.Decays.of_steps(g_ref[rows, :], sb, compensated=False).cum)
         inter = cm.dot(decayed_q, h_ref[pl.ds(n * key_dim, key_dim), :], config.mxu_dtype)
         intra = cm.dot(aqk_ref[rows, :], delta_ref[rows, :], config.mxu_dtype)
         o_ref[rows, :] = (inter + intra).astype(o_ref.dtype)
@@ -32,10 +34,6 @@ def output_kernel(q_ref, g_ref, h_ref, delta_ref, aqk_ref, o_ref, *, config: Ker
 
 def chunk_index(b, j, t):
     return (b, j, t, 0)
-
-
-def qk_index(b, j, t, *, group: int):
-    return (b, jax.lax.div(j, jnp.int32(group)), t, 0)
 
 
 def output_cost(batch, heads, num_chunks, c, k, v, dtype, out_dtype):
@@ -49,11 +47,11 @@ def output_cost(batch, heads, num_chunks, c, k, v, dtype, out_dtype):
 
 
 def launch_output(q, g, h, delta, aqk, config: KernelConfig, out_dtype):
-    """o [B, HV, Tp, V] in `out_dtype`.
+    """o [B, Tp, HV*V] in `out_dtype` (token-major: `layout.from_tokens` gives [B, T, HV, V]).
 
     Args:
-      q: [B, H, Tp, K]; g: [B, HV, Tp, K] float32 sub-block-local decay cumsum (its hi part: only
-      the within-chunk cumsum G, a sum, is needed);
+      q: [B, Tp, H*K] (token-major, K a multiple of 128); g: [B, Tp, HV*K] float32 raw per-step
+      log decays;
       h: [B, HV, NT*K, V]; delta: [B, HV, Tp, V]; aqk: [B, HV, Tp, C] float32.
       Under `jax.vmap` the mapped axis folds into B (`gla_core.pallas_transforms.fold_vmap`).
     """
@@ -62,8 +60,8 @@ def launch_output(q, g, h, delta, aqk, config: KernelConfig, out_dtype):
 
 
 def _launch_output(q, g, h, delta, aqk, *, config: KernelConfig, out_dtype):
-    batch, heads, padded_len, key_dim = g.shape
-    value_dim = delta.shape[-1]
+    batch, heads, padded_len, value_dim = delta.shape
+    key_dim = g.shape[2] // heads
     c = config.blocks.chunk_size
     num_chunks = padded_len // c
     per_step = config.blocks.per_step(num_chunks)
@@ -73,14 +71,14 @@ def _launch_output(q, g, h, delta, aqk, *, config: KernelConfig, out_dtype):
             functools.partial(output_kernel, config=config),
             grid=(batch, heads, num_chunks // per_step),
             in_specs=[
-                pl.BlockSpec((None, None, rows, key_dim), functools.partial(qk_index, group=config.group)),
-                pl.BlockSpec((None, None, rows, key_dim), chunk_index),
+                token_block(rows, key_dim, config.group),
+                token_block(rows, key_dim),
                 pl.BlockSpec((None, None, per_step * key_dim, value_dim), chunk_index),
                 pl.BlockSpec((None, None, rows, value_dim), chunk_index),
                 pl.BlockSpec((None, None, rows, c), chunk_index),
             ],
-            out_specs=pl.BlockSpec((None, None, rows, value_dim), chunk_index),
-            out_shape=jax.ShapeDtypeStruct((batch, heads, padded_len, value_dim), out_dtype),
+            out_specs=token_block(rows, value_dim),
+            out_shape=jax.ShapeDtypeStruct((batch, padded_len, heads * value_dim), out_dtype),
             compiler_params=compiler_params(sequential_time=False),
             cost_estimate=output_cost(batch, heads, num_chunks, c, key_dim, value_dim, config.mxu_dtype, out_dtype),
             interpret=config.interpret_arg,

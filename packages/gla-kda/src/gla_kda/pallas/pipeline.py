@@ -1,4 +1,4 @@
-"""The kda chunk pipeline in the kernel layout, with its backward (`jax.custom_vjp`).
+"""The kda chunk pipeline, with its backward (`jax.custom_vjp`).
 
 Forward:  intra (Tinv, Aqk) -> state (h per chunk, delta, final states) -> output (o).
 Backward: state again (h; nothing but the inputs, Tinv and Aqk is kept from the forward)
@@ -6,10 +6,13 @@ Backward: state again (h; nothing but the inputs, Tinv and Aqk is kept from the 
           -> per-chunk gradients (dq, dk, dv, dbeta, dG).
 Every kernel folds a `jax.vmap` axis into its batch axis, and differentiating the backward
 again raises a clear error (`gla_core.pallas_transforms`). Gradients of q/k are summed over
-the value heads that share them. The pipeline takes the
-per-step log decays g; the forward kernels read their sub-block-local cumsum (computed here,
-in XLA), and the backward kernel returns the gradient with respect to g directly. The layout
-changes and the gate/l2norm prologue stay outside, in XLA, where autodiff differentiates them.
+the value heads that share them.
+The forward kernels read q, k, v and the raw per-step log decays g token-major
+(`layout.to_tokens`), and do the input cleaning themselves: non-finite entries zeroed
+(`nonfinite.zero_nonfinite`), g raised to its floor (`inputs.floor_log_decay`) and its
+sub-block-local cumsum (`chunk_math.Decays.of_steps`). The backward kernels take the
+head-major layout: the backward forms it, with the same cleaning and cumsum, in XLA
+(`layout.heads_first`, `layout.local_cumsum`), and differentiates the cleaning of g there.
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ import jax
 import jax.numpy as jnp
 
 from gla_core.kit import first_order_only
+from gla_kda.inputs import floor_log_decay
+from gla_kda.nonfinite import zero_nonfinite
 from gla_kda.pallas.config import KernelConfig
 from gla_kda.pallas.intra import launch_intra
 from gla_kda.pallas.intra_bwd import launch_intra_bwd
-from gla_kda.pallas.layout import ChunkMeta, local_cumsum
+from gla_kda.pallas.layout import ChunkMeta, heads_first, local_cumsum, tokens_first
 from gla_kda.pallas.output import launch_output
 from gla_kda.pallas.state import StateOutputs, launch_state
 from gla_kda.pallas.state_bwd import launch_state_bwd
@@ -54,36 +59,36 @@ def _mask_empty(states, empty):
 
 
 def _forward(config: PipelineConfig, q, k, v, g, beta, h0, meta: ChunkMeta):
-    """Outputs and the residuals (g as its sub-block-local cumsum (hi, lo), Tinv, Aqk)."""
+    """Outputs and the residuals (Tinv, Aqk)."""
     kernel = config.kernel
-    g, g_lo = local_cumsum(g, kernel.blocks.sub_chunk)
-    tinv, aqk = launch_intra(q, k, g, g_lo, beta, kernel)
+    tinv, aqk = launch_intra(q, k, g, beta, kernel)
     outputs = StateOutputs(
         has_initial_state=config.has_initial_state, emit_delta=True, emit_final_state=config.output_final_state
     )
-    h, delta, ht = launch_state(k, v, g, g_lo, beta, tinv, h0, meta, kernel, outputs, config.states_per_row)
+    h, delta, ht = launch_state(k, v, g, beta, tinv, h0, meta, kernel, outputs, config.states_per_row)
     o = launch_output(q, g, h, delta, aqk, kernel, v.dtype)
     if ht is not None:
         ht = _mask_empty(ht, meta.empty)
-    return (o, ht), ((g, g_lo), tinv, aqk)
+    return (o, ht), (tinv, aqk)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def chunk_pipeline(config: PipelineConfig, q, k, v, g, beta, h0, meta: ChunkMeta):
-    """(o [B, HV, Tp, V], final states [N, HV, K, V] float32 or None) in the kernel layout.
+    """(o [B, Tp, HV*V], final states [N, HV, K, V] float32 or None) in the kernel layout.
 
     Args:
-      q, k: [B, H, Tp, K]; v: [B, HV, Tp, V]; g: [B, HV, Tp, K] float32 per-step log decay (the
-      kernels read its sub-block-local cumsum, `layout.local_cumsum`); beta: [B, HV, NT, 1, C]
-      float32; h0: [N, HV, K, V] float32 or None;
+      q, k: [B, Tp, H*K]; v: [B, Tp, HV*V] (token-major, `layout.to_tokens`; K, V multiples of
+      128; may hold non-finite entries, read as 0); g: [B, Tp, HV*K] float32 per-step log
+      decay, not yet floored (may be -inf or non-finite); beta: [B, HV, NT, 1, C] float32
+      finite; h0: [N, HV, K, V] float32 finite or None;
       meta: per-chunk metadata (not differentiated).
     """
     return _forward(config, q, k, v, g, beta, h0, meta)[0]
 
 
 def _pipeline_fwd(config, q, k, v, g, beta, h0, meta):
-    outputs, (local, tinv, aqk) = _forward(config, q, k, v, g, beta, h0, meta)
-    return outputs, (q, k, v, local, beta, h0, meta, tinv, aqk)
+    outputs, (tinv, aqk) = _forward(config, q, k, v, g, beta, h0, meta)
+    return outputs, (q, k, v, g, beta, h0, meta, tinv, aqk)
 
 
 def _group_sum(x, group: int, dtype):
@@ -94,24 +99,36 @@ def _group_sum(x, group: int, dtype):
     return x.reshape(batch, heads // group, group, length, dim).sum(axis=2).astype(dtype)
 
 
+def _clean_log_decay(g):
+    """What the forward kernels make of g (`chunk_math.clean_log_decay`), in differentiable XLA."""
+    return zero_nonfinite(floor_log_decay(g))
+
+
 def _pipeline_bwd(config, residuals, cotangents):
-    q, k, v, (g, g_lo), beta, h0, meta, tinv, aqk = residuals
+    q, k, v, g, beta, h0, meta, tinv, aqk = residuals
     do, dht = cotangents
     kernel = config.kernel
     recompute = StateOutputs(has_initial_state=config.has_initial_state, emit_delta=False, emit_final_state=False)
-    h, _, _ = launch_state(k, v, g, g_lo, beta, tinv, h0, meta, kernel, recompute, config.states_per_row)
+    h, _, _ = launch_state(k, v, g, beta, tinv, h0, meta, kernel, recompute, config.states_per_row)
     if dht is not None:
         dht = _mask_empty(dht.astype(jnp.float32), meta.empty)
+    value_heads = beta.shape[1]
+    heads = value_heads // kernel.group
+    clean_g, clean_g_vjp = jax.vjp(_clean_log_decay, g)
+    g_hi, g_lo = local_cumsum(heads_first(clean_g, value_heads), kernel.blocks.sub_chunk)
+    qh, kh = (heads_first(zero_nonfinite(x), heads) for x in (q, k))
+    vh, doh = heads_first(zero_nonfinite(v), value_heads), heads_first(do, value_heads)
     dstate, ddelta, dh0 = launch_state_bwd(
-        q, k, g, g_lo, beta, tinv, aqk, do, dht, meta, kernel, config.has_initial_state, config.states_per_row
+        qh, kh, g_hi, g_lo, beta, tinv, aqk, doh, dht, meta, kernel, config.has_initial_state, config.states_per_row
     )
-    dq, dk, dv, dbeta, dg = launch_intra_bwd(q, k, v, g, g_lo, beta, tinv, h, dstate, ddelta, do, kernel)
+    dq, dk, dv, dbeta, dg = launch_intra_bwd(qh, kh, vh, g_hi, g_lo, beta, tinv, h, dstate, ddelta, doh, kernel)
     if dh0 is not None:
         dh0 = _mask_empty(dh0, meta.empty).astype(h0.dtype)
+    (dg,) = clean_g_vjp(tokens_first(dg))
     return (
-        _group_sum(dq, kernel.group, q.dtype),
-        _group_sum(dk, kernel.group, k.dtype),
-        dv.astype(v.dtype),
+        tokens_first(_group_sum(dq, kernel.group, q.dtype)),
+        tokens_first(_group_sum(dk, kernel.group, k.dtype)),
+        tokens_first(dv.astype(v.dtype)),
         dg,
         dbeta,
         dh0,

@@ -25,7 +25,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from gla_core.kit import fold_vmap, row_to_column
 from gla_kda.pallas import chunk_math as cm
-from gla_kda.pallas.config import KernelConfig, compiler_params
+from gla_kda.pallas.config import KernelConfig, compiler_params, token_block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +50,9 @@ def advance_state(k, decays: cm.Decays, delta, state, dtype):
 
 
 def state_kernel(first_ref, last_ref, seq_ref, *refs, config: KernelConfig, outputs: StateOutputs):
-    """Blocks of n consecutive chunks of one sequence: k, g, g_lo [n*C, K]; v [n*C, V]; beta [n, 1, C];
-    tinv [n*C, C]; h0 [K, V].
+    """Blocks of n consecutive chunks of one sequence: k [n*C, K]; v [n*C, V] (input dtype); g [n*C, K]
+    raw per-step log decays (cleaned and cumsummed here, `chunk_math.Decays.of_steps`);
+    beta [n, 1, C]; tinv [n*C, C]; h0 [K, V].
 
     Outputs: h [n*K, V] (the state before each chunk), delta [n*C, V], ht [K, V]; scratch state [K, V] f32.
     Only the step's first chunk may start its sequence and only its last may end it (the launcher
@@ -59,9 +60,9 @@ def state_kernel(first_ref, last_ref, seq_ref, *refs, config: KernelConfig, outp
     """
     del seq_ref
     refs = list(refs)
-    k_ref, v_ref, g_ref, g_lo_ref, beta_ref, tinv_ref = refs[:6]
-    h0_ref = refs[6] if outputs.has_initial_state else None
-    rest = refs[6 + outputs.has_initial_state :]
+    k_ref, v_ref, g_ref, beta_ref, tinv_ref = refs[:5]
+    h0_ref = refs[5] if outputs.has_initial_state else None
+    rest = refs[5 + outputs.has_initial_state :]
     h_ref = rest.pop(0)
     delta_ref = rest.pop(0) if outputs.emit_delta else None
     ht_ref = rest.pop(0) if outputs.emit_final_state else None
@@ -82,10 +83,10 @@ def state_kernel(first_ref, last_ref, seq_ref, *refs, config: KernelConfig, outp
     for n in range(per_step):
         rows = pl.ds(n * c, c)
         h_ref[pl.ds(n * key_dim, key_dim), :] = state.astype(h_ref.dtype)
-        k = k_ref[rows, :].astype(cm.F32)
-        decays = cm.Decays(g_ref[rows, :], sb, g_lo_ref[rows, :])
+        k = cm.finite(k_ref[rows, :])
+        decays = cm.Decays.of_steps(g_ref[rows, :], sb)
         beta = row_to_column(beta_ref[n])
-        delta = wy_delta(k, v_ref[rows, :].astype(cm.F32), decays, beta, tinv_ref[rows, :], state, config.mxu_dtype)
+        delta = wy_delta(k, cm.finite(v_ref[rows, :]), decays, beta, tinv_ref[rows, :], state, config.mxu_dtype)
         if delta_ref is not None:
             delta_ref[rows, :] = delta.astype(delta_ref.dtype)
         state = advance_state(k, decays, delta, state, config.mxu_dtype)
@@ -101,10 +102,6 @@ def chunk_index(b, j, t, *_):
     return (b, j, t, 0)
 
 
-def qk_index(b, j, t, *_, group: int):
-    return (b, jax.lax.div(j, jnp.int32(group)), t, 0)
-
-
 def beta_index(b, j, t, *_):
     return (b, j, t, 0, 0)
 
@@ -118,18 +115,16 @@ def state_cost(batch, heads, num_chunks, c, k, v, itemsize):
     steps = batch * heads * num_chunks
     flops = steps * (2 * c * k * v * 3 + 2 * c * c * v + k * k)
     transcendentals = steps * (2 * c * k + k)
-    bytes_accessed = steps * (
-        (c * k + c * v) * itemsize + 2 * c * k * 4 + c * 4 + c * c * 4 + (k * v + c * v) * itemsize
-    )
+    bytes_accessed = steps * ((c * k + c * v) * itemsize + c * k * 4 + c * 4 + c * c * 4 + (k * v + c * v) * itemsize)
     return pl.CostEstimate(flops=flops, transcendentals=transcendentals, bytes_accessed=bytes_accessed)
 
 
-def launch_state(k, v, g, g_lo, beta, tinv, h0, meta, config: KernelConfig, outputs: StateOutputs, states_per_row: int):
+def launch_state(k, v, g, beta, tinv, h0, meta, config: KernelConfig, outputs: StateOutputs, states_per_row: int):
     """Runs the recurrence over every chunk.
 
     Args:
-      k: [B, H, Tp, K]; v: [B, HV, Tp, V] (input dtype); g, g_lo: [B, HV, Tp, K] float32 local
-      cumsum (`layout.local_cumsum`);
+      k: [B, Tp, H*K]; v: [B, Tp, HV*V] (input dtype, token-major, `layout.to_tokens`; K and V
+      multiples of 128); g: [B, Tp, HV*K] float32 raw per-step log decays;
       beta: [B, HV, NT, 1, C] float32; tinv: [B, HV, Tp, C] float32;
       h0: [N, HV, K, V] float32 or None; meta: `ChunkMeta` (first, last, seq int32 [NT]).
       states_per_row: N / B (1, or the number of packed sequences of the one varlen row).
@@ -138,13 +133,13 @@ def launch_state(k, v, g, g_lo, beta, tinv, h0, meta, config: KernelConfig, outp
       Under `jax.vmap` the mapped axis folds into B and N (`gla_core.pallas_transforms.fold_vmap`).
     """
     launch = functools.partial(_launch_state, config=config, outputs=outputs, states_per_row=states_per_row)
-    args = (k, v, g, g_lo, beta, tinv, h0, meta.first, meta.last, meta.seq)
-    return fold_vmap(launch, args, in_axes=(0,) * 7 + (None,) * 3, out_axes=0)
+    args = (k, v, g, beta, tinv, h0, meta.first, meta.last, meta.seq)
+    return fold_vmap(launch, args, in_axes=(0,) * 6 + (None,) * 3, out_axes=0)
 
 
-def _launch_state(k, v, g, g_lo, beta, tinv, h0, first, last, seq, *, config, outputs, states_per_row):
-    batch, heads, padded_len, key_dim = g.shape
-    value_dim = v.shape[-1]
+def _launch_state(k, v, g, beta, tinv, h0, first, last, seq, *, config, outputs, states_per_row):
+    batch, heads = beta.shape[:2]
+    padded_len, key_dim, value_dim = g.shape[1], g.shape[2] // heads, v.shape[2] // heads
     c = config.blocks.chunk_size
     num_chunks = padded_len // c
     num_states = batch * states_per_row
@@ -155,14 +150,13 @@ def _launch_state(k, v, g, g_lo, beta, tinv, h0, first, last, seq, *, config, ou
         functools.partial(sequence_index, states_per_row=states_per_row, per_step=per_step),
     )
     in_specs = [
-        pl.BlockSpec((None, None, rows, key_dim), functools.partial(qk_index, group=config.group)),
-        pl.BlockSpec((None, None, rows, value_dim), chunk_index),
-        pl.BlockSpec((None, None, rows, key_dim), chunk_index),
-        pl.BlockSpec((None, None, rows, key_dim), chunk_index),
+        token_block(rows, key_dim, config.group),
+        token_block(rows, value_dim),
+        token_block(rows, key_dim),
         pl.BlockSpec((None, None, per_step, 1, c), beta_index),
         pl.BlockSpec((None, None, rows, c), chunk_index),
     ]
-    args = [k, v, g, g_lo, beta, tinv]
+    args = [k, v, g, beta, tinv]
     if outputs.has_initial_state:
         in_specs.append(state_spec)
         args.append(h0)
