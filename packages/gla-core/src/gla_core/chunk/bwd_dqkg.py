@@ -98,12 +98,11 @@ def _launch(q, k, v, do, gate, h, dh, *, specs: ChunkSpecs, scale: float, dtype,
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype), gate_grad_shape]
     kernel = functools.partial(_bwd_dqkg_kernel, gate_mode=specs.gate_mode, scale=scale, dtype=dtype)
     table, table_spec = mask_table_inputs(specs.gate_mode, c)
-    gate_kind = "r" if specs.gate_mode == "key" else "c"
     flops, transcendentals = intra_costs(specs.gate_mode, c, specs.block_k, products=2)
     flops = b * hh * nk * nt * flops + b * hh * (6 * tp * kdim * vdim + 2 * tp * c * vdim * nk)
     with jax.named_scope("chunk_bwd_dqkg"):
         return pl.pallas_call(
-            for_each_chunk(kernel, specs, "rrrr" + gate_kind + "cc" + "s" * len(table) + "rr" + gate_kind),
+            for_each_chunk(kernel, specs, "rrrr" + specs.gate_kind + "cc" + "s" * len(table) + "rr" + specs.gate_kind),
             out_shape=out_shape,
             grid=specs.grid(b, hh),
             in_specs=[

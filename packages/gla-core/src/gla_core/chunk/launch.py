@@ -109,10 +109,11 @@ def launch_state_pass(
     per_chunk = jax.ShapeDtypeStruct((b, h, nt, vdim, kdim), jnp.float32)
     gate_flops, gate_transcendentals = intra_costs(specs.gate_mode, specs.chunk, kdim, products=0)
     flops = b * h * nv * nt * gate_flops + 2 * b * h * tp * kdim * vdim + 3 * b * h * nt * kdim * vdim
-    gate_kind = "r" if specs.gate_mode == "key" else "c"
     has_table = specs.gate_mode == "key"
     # first, last, sequence; row, column, gate, [state_in], [table]; per_chunk, [state_out]; the carried state
-    kinds = "sss" + "rr" + gate_kind + "s" * (state_in is not None) + "s" * has_table + "c" + "s" * state_out + "s"
+    kinds = (
+        "sss" + "rr" + specs.gate_kind + "s" * (state_in is not None) + "s" * has_table + "c" + "s" * state_out + "s"
+    )
     (states,), state = _sequential_call(
         name,
         for_each_chunk(kernel, specs, kinds, pass_chunk=True),
@@ -158,11 +159,10 @@ def launch_output_pass(
     b, hh, _, kdim = q.shape
     nv, nt, c = specs.num_tiles, specs.num_chunks, specs.chunk
     gate_flops, transcendentals = intra_costs(specs.gate_mode, c, kdim, products=1)
-    gate_kind = "r" if specs.gate_mode == "key" else "c"
     has_table = specs.gate_mode == "key"
     has_scores = scores_dtype is not None
     # first, last, sequence; q, k, v, gate, [state_in], [table]; o, [scores], [state_out]; the carried state
-    kinds = "sss" + "rrr" + gate_kind + "s" * (state_in is not None) + "s" * has_table + "r" + "c" * has_scores
+    kinds = "sss" + "rrr" + specs.gate_kind + "s" * (state_in is not None) + "s" * has_table + "r" + "c" * has_scores
     kernel = for_each_chunk(kernel, specs, kinds + "s" * state_out + "s", pass_chunk=True)
     per_chunk = 4 * c * kdim * specs.block_v + 2 * c * c * specs.block_v + 3 * kdim * specs.block_v
     outputs = [(jax.ShapeDtypeStruct(v.shape, v.dtype), specs.value())]
@@ -266,10 +266,9 @@ def launch_value_pass(
     flops = b * hh * nv * nt * (flops + 2 * c * kdim * specs.block_v + 2 * c * c * specs.block_v)
     transcendentals = b * hh * nv * nt * transcendentals
     table, table_spec = mask_table_inputs(specs.gate_mode, c)
-    gate_kind = "r" if specs.gate_mode == "key" else "c"
     with jax.named_scope(name):
         return pl.pallas_call(
-            for_each_chunk(kernel, specs, "rr" + gate_kind + "cc" + "s" * len(table) + "r"),
+            for_each_chunk(kernel, specs, "rr" + specs.gate_kind + "cc" + "s" * len(table) + "r"),
             out_shape=out_shape,
             grid=specs.grid(b, hh),
             in_specs=[specs.key(), specs.value(), specs.gate(), specs.chunk_state(), specs.chunk_scores(), *table_spec],
