@@ -13,8 +13,11 @@ From one compile this gives (`ProgramProfile`):
     (asynchronous copies into on-chip memory spaces, XLA's prefetching, are not layout work),
   - XLA's memory analysis: argument, output and temp bytes.
 The profile of a large program can take more memory than this machine has (it grows with the
-grid); `profile_by_kernel` then profiles every Pallas call in a program of its own (the same
-call, the same operand shapes) and the whole program without the profile.
+kernels' grids and with the program); `profile_by_kernel` then compiles the program with its
+Pallas calls replaced by empty kernels (`gla_core.pallas_jaxpr.stub_kernels`: the XLA side, its
+bytes and the memory analysis; its cycles only when asked) and profiles every Pallas call in a
+program of its own (the same call, the same operand shapes: its cycles and scoped VMEM), each
+compile in its own subprocess.
 Cycles become seconds with a clock calibrated in the same libtpu (`calibrate_clock`): the
 estimate of a 4096^3 bfloat16 matmul over its time at the chip's peak bfloat16 rate.
 These are compiler estimates, not measurements.
@@ -30,6 +33,11 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
+
+from gla_core.errors import GlaError
+from gla_core.pallas_jaxpr import pallas_equations
+from gla_core.tpu_checks import is_mosaic_call, scoped_vmem_bytes
 
 # Public spec sheets: peak bfloat16 matmul rate (FLOP/s) and HBM bandwidth (bytes/s) per chip.
 PEAK_BF16_FLOPS = {"v5e": 197e12, "v6e": 918e12}
@@ -42,6 +50,10 @@ _BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, 
 _BYTES.update({"f64": 8, "s64": 8, "u64": 8})
 _SHAPE = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\(")
+
+
+class ProfileError(GlaError, RuntimeError):
+    """A profiled compile failed (its subprocess exited or aborted); the message says why."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +76,9 @@ class ProgramProfile:
         occurs several times is summed).
       xla_ops: the other top-level XLA ops with the bytes they write and their cycles.
       argument_bytes, output_bytes, temp_bytes: XLA's memory analysis of the program.
+      kernel_vmem: scoped VMEM bytes Mosaic reserved for every Pallas kernel, by name (the
+        largest when a name occurs several times).
+      pallas_calls: how many Pallas calls the traced program makes (0 when not counted).
     """
 
     chip: str
@@ -72,10 +87,17 @@ class ProgramProfile:
     argument_bytes: int
     output_bytes: int
     temp_bytes: int
+    kernel_vmem: dict[str, int] = dataclasses.field(default_factory=dict)
+    pallas_calls: int = 0
 
     @property
     def pallas_cycles(self) -> int:
         return sum(self.kernel_cycles.values())
+
+    @property
+    def xla_cycles(self) -> int:
+        """Estimated cycles of the top-level XLA ops around the kernels."""
+        return sum(op.cycles for op in self.xla_ops)
 
     @property
     def xla_bytes(self) -> int:
@@ -96,6 +118,19 @@ class ProgramProfile:
     @classmethod
     def from_json(cls, data: dict) -> ProgramProfile:
         return cls(**{**data, "xla_ops": tuple(XlaOp(**op) for op in data["xla_ops"])})
+
+
+def with_kernels(whole: ProgramProfile, kernels: Sequence[ProgramProfile]) -> ProgramProfile:
+    """`whole` (the XLA side of a program) with the kernel cycles and scoped VMEM of `kernels`,
+    the profiles of its Pallas calls compiled one by one (cycles of a repeated name are summed)."""
+    cycles: dict[str, int] = {}
+    vmem: dict[str, int] = {}
+    for alone in kernels:
+        for name, value in alone.kernel_cycles.items():
+            cycles[name] = cycles.get(name, 0) + value
+        for name, value in alone.kernel_vmem.items():
+            vmem[name] = max(vmem.get(name, 0), value)
+    return dataclasses.replace(whole, kernel_cycles=cycles, kernel_vmem=vmem)
 
 
 def _tuple_elements(result_type: str) -> list[str]:
@@ -154,22 +189,27 @@ def entry_instructions(hlo_text: str) -> list[tuple[str, str, str, str]]:
     return found
 
 
-def _is_pallas(line: str) -> bool:
-    return 'custom_call_target="tpu_custom_call"' in line
+def kernel_name(instruction: str) -> str:
+    """The kernel an HLO instruction name stands for (XLA's ".N" uniquifying suffix dropped)."""
+    return re.sub(r"\.\d+$", "", instruction)
 
 
-def profile_from(hlo_text: str, cycles_by_op: dict[str, int], memory: dict, chip: str) -> ProgramProfile:
+def profile_from(
+    hlo_text: str, cycles_by_op: dict[str, int], memory: dict, chip: str, pallas_calls: int = 0
+) -> ProgramProfile:
     """Joins the compiled HLO with the static profile's cycles per op name."""
     kernels: dict[str, int] = {}
+    vmem: dict[str, int] = {}
     xla_ops = []
     for name, opcode, result_type, line in entry_instructions(hlo_text):
         cycles = cycles_by_op.get(name, 0)
-        if _is_pallas(line):
-            kernel = re.sub(r"\.\d+$", "", name)
+        if is_mosaic_call(line):
+            kernel = kernel_name(name)
             kernels[kernel] = kernels.get(kernel, 0) + cycles
+            vmem[kernel] = max(vmem.get(kernel, 0), scoped_vmem_bytes(line))
         elif opcode not in _FREE_OPCODES and not _is_on_chip(_written(opcode, result_type)):
             xla_ops.append(XlaOp(name, opcode, _shape_bytes(_written(opcode, result_type)), cycles))
-    return ProgramProfile(chip, kernels, tuple(xla_ops), **memory)
+    return ProgramProfile(chip, kernels, tuple(xla_ops), **memory, kernel_vmem=vmem, pallas_calls=pallas_calls)
 
 
 def parse_profiles(directory: pathlib.Path) -> dict[str, int]:
@@ -182,7 +222,14 @@ def parse_profiles(directory: pathlib.Path) -> dict[str, int]:
 
 
 def profile_program(spec: dict, timeout: float = 1800) -> ProgramProfile:
-    """Compiles the program `spec` describes in a subprocess with the static profile on."""
+    """Compiles the program `spec` describes in a subprocess with the static profile on.
+
+    Keys of `spec` besides the program's own (`gla_core.cost.build_program`): `chip`;
+    `profile` (default True: write the static profile); `kernel` (an index: compile only that
+    Pallas call of the program, `pallas_equations` order); `stub_kernels` (compile the program
+    with every Pallas call replaced by an empty kernel, `gla_core.pallas_jaxpr.stub_kernels`);
+    `donate_argnums`.
+    """
     with tempfile.TemporaryDirectory() as tmp:
         directory = pathlib.Path(tmp)
         logs = directory / "tpu-logs"  # a crashing profiled compile logs gigabytes; they go with the directory
@@ -194,43 +241,37 @@ def profile_program(spec: dict, timeout: float = 1800) -> ProgramProfile:
         command = [sys.executable, "-m", "gla_core.static_profile", json.dumps(spec), str(result)]
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, check=False)
         if done.returncode != 0 or not result.exists():
-            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-            raise RuntimeError(f"profiled compile failed ({done.returncode}): {' | '.join(tail)}")
+            raise ProfileError(f"profiled compile failed ({done.returncode}): {_failure(done.stderr or done.stdout)}")
         compiled = json.loads(result.read_text())
-        return profile_from(compiled["hlo"], parse_profiles(directory), compiled["memory"], spec["chip"])
+        cycles = parse_profiles(directory)
+        return profile_from(compiled["hlo"], cycles, compiled["memory"], spec["chip"], compiled["pallas_calls"])
 
 
-def profile_by_kernel(spec: dict, timeout: float = 1800) -> ProgramProfile:
-    """`profile_program(spec)` with every Pallas call profiled in a program of its own.
+def _failure(output: str) -> str:
+    """The line of a failed compile's output that says why (a check failure or the exception), else its tail."""
+    lines = [line.strip() for line in output.strip().splitlines() if line.strip()]
+    for marker in ("Check failed", "Error:", "Error"):
+        found = [line for line in lines if marker in line and "TPU_WORKER_HOSTNAMES" not in line]
+        if found:
+            return found[-1][:400]
+    return " | ".join(lines[-3:])[:400]
 
-    The whole program is compiled once without the profile (memory analysis, XLA-side ops; their
-    cycles are then not known and reported as 0), then each of its Pallas calls alone.
+
+def profile_by_kernel(spec: dict, timeout: float = 1800, xla_cycles: bool = False) -> ProgramProfile:
+    """`profile_program(spec)` from the program compiled around empty kernels (the XLA side and the
+    memory analysis) and every Pallas call profiled in a program of its own (one subprocess after
+    the other).
+
+    `xla_cycles`: also profile the XLA side (its ops' cycles; else they are reported as 0). At the
+    production shapes that profile of a training step takes more than this machine's 24 GB.
     """
-    whole = profile_program({**spec, "profile": False}, timeout)
-    kernels: dict[str, int] = {}
-    for index in range(spec_kernel_count(spec)):
-        alone = profile_program({**spec, "kernel": index}, timeout)
-        for name, cycles in alone.kernel_cycles.items():
-            kernels[name] = kernels.get(name, 0) + cycles
-    return dataclasses.replace(whole, kernel_cycles=kernels)
+    whole = profile_program({**spec, "stub_kernels": True, "profile": xla_cycles}, timeout)
+    kernels = [profile_program({**spec, "kernel": index}, timeout) for index in range(whole.pallas_calls)]
+    return with_kernels(whole, kernels)
 
 
-def pallas_equations(jaxpr) -> list:
-    """Every `pallas_call` equation of a jaxpr and of the jaxprs nested in it, in program order."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            found.append(eqn)
-            continue
-        for param in eqn.params.values():
-            for value in param if isinstance(param, (tuple, list)) else (param,):
-                inner = getattr(value, "jaxpr", value)
-                if hasattr(inner, "eqns"):
-                    found.extend(pallas_equations(inner))
-    return found
-
-
-def _traced_kernels(spec: dict) -> list:
+def _traced(spec: dict):
+    """The closed jaxpr of the program of `spec` (traced for TPU) and its argument structs."""
     import jax
 
     from gla_core.cost import build_program
@@ -238,58 +279,66 @@ def _traced_kernels(spec: dict) -> list:
 
     fn, structs = build_program(spec)
     with use(backend="tpu", interpret=False, chip=spec["chip"]):
-        return pallas_equations(jax.make_jaxpr(fn)(*structs).jaxpr)
+        return jax.make_jaxpr(fn)(*structs), structs
 
 
-def spec_kernel_count(spec: dict) -> int:
-    """How many Pallas calls the program of `spec` makes (traced, not compiled)."""
-    return len(_traced_kernels(spec))
-
-
-def _kernel_program(spec: dict):
-    """The `spec["kernel"]`-th Pallas call of the program of `spec` as a program of its own."""
+def _kernel_program(closed, index: int):
+    """The `index`-th Pallas call of a traced program as a program of its own."""
     import jax
     from jax._src import core
 
-    eqn = _traced_kernels(spec)[spec["kernel"]]
+    eqn = pallas_equations(closed.jaxpr)[index]
     if not all(isinstance(v, core.Var) for v in eqn.invars):
-        raise ValueError(f"kernel {spec['kernel']}: a Pallas call with literal operands cannot be compiled alone")
-    closed = core.ClosedJaxpr(core.Jaxpr([], list(eqn.invars), list(eqn.outvars), [eqn]), [])
+        raise ProfileError(f"kernel {index}: a Pallas call with literal operands cannot be compiled alone")
+    alone = core.ClosedJaxpr(core.Jaxpr([], list(eqn.invars), list(eqn.outvars), [eqn]), [])
     structs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
-    return core.jaxpr_as_fun(closed), structs
+    return core.jaxpr_as_fun(alone), structs
 
 
 def calibration_spec(chip: str) -> dict:
     return {"program": "matmul", "size": CALIBRATION_SIZE, "chip": chip}
 
 
+def clock_from(profile: ProgramProfile) -> float:
+    """Cycles per second of the static model, from the profile of the calibration matmul
+    (`calibration_spec`): its estimate over its time at the chip's peak bfloat16 rate."""
+    seconds = 2 * CALIBRATION_SIZE**3 / PEAK_BF16_FLOPS[profile.chip]
+    return profile.xla_cycles / seconds
+
+
 def calibrate_clock(chip: str) -> float:
-    """Cycles per second of the static model: a 4096^3 bfloat16 matmul's estimate over its time at
-    the chip's peak bfloat16 rate."""
-    profile = profile_program(calibration_spec(chip))
-    cycles = sum(op.cycles for op in profile.xla_ops)
-    seconds = 2 * CALIBRATION_SIZE**3 / PEAK_BF16_FLOPS[chip]
-    return cycles / seconds
+    """Cycles per second of the static model on `chip` (`clock_from` of a fresh calibration compile)."""
+    return clock_from(profile_program(calibration_spec(chip)))
 
 
 def _compile_worker(spec: dict, result_path: str) -> None:
     import jax
+    from jax._src import core
 
-    from gla_core.cost import build_program
+    from gla_core.overrides import use
+    from gla_core.pallas_jaxpr import stub_kernels
     from gla_core.tpu_checks import compile_only_device
 
-    alone = "kernel" in spec
-    fn, structs = _kernel_program(spec) if alone else build_program(spec)
-    donate = () if alone else tuple(spec.get("donate_argnums", ()))  # e.g. a decode step's state pool
-    sharding = jax.sharding.SingleDeviceSharding(compile_only_device(spec["chip"]))
+    closed, structs = _traced(spec)
+    pallas_calls = len(pallas_equations(closed.jaxpr))
+    donate = tuple(spec.get("donate_argnums", ()))  # e.g. a decode step's state pool
+    if "kernel" in spec:
+        fn, structs = _kernel_program(closed, spec["kernel"])
+        donate = ()
+    elif spec.get("stub_kernels"):
+        fn = core.jaxpr_as_fun(stub_kernels(closed))
+    else:
+        fn = core.jaxpr_as_fun(closed)
+    device = compile_only_device(spec["chip"])
+    sharding = jax.sharding.SingleDeviceSharding(device)
     placed = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in structs]
-    from gla_core.overrides import use
-
-    with use(backend="tpu", interpret=False, chip=spec["chip"]):
+    # The default device makes Pallas's lowering checks see the target chip, not this host.
+    with use(backend="tpu", interpret=False, chip=spec["chip"]), jax.default_device(device):
         compiled = jax.jit(fn, donate_argnums=donate).lower(*placed).compile()
     memory = compiled.memory_analysis()
     out = {
         "hlo": compiled.as_text(),
+        "pallas_calls": pallas_calls,
         "memory": {
             "argument_bytes": int(memory.argument_size_in_bytes),
             "output_bytes": int(memory.output_size_in_bytes),

@@ -83,14 +83,27 @@ def _backend_config(line: str) -> dict:
     return config
 
 
+def is_mosaic_call(line: str) -> bool:
+    """Whether a line of compiled HLO text is a Mosaic (Pallas TPU) custom call."""
+    return 'custom_call_target="tpu_custom_call"' in line
+
+
+def scoped_vmem_bytes(line: str) -> int:
+    """The scoped VMEM a Mosaic custom call (one line of compiled HLO text) reserved; 0 if it says none."""
+    if "backend_config=" not in line:
+        return 0
+    configs = _backend_config(line).get("used_scoped_memory_configs", [])
+    return sum(int(c.get("size", 0)) for c in configs)
+
+
 def kernel_reports(hlo_text: str) -> tuple[KernelReport, ...]:
     """Every Mosaic custom call in compiled HLO text, with its scoped VMEM and cost estimate."""
     reports = []
     for line in hlo_text.splitlines():
-        if 'custom_call_target="tpu_custom_call"' not in line or "backend_config=" not in line:
+        if not is_mosaic_call(line) or "backend_config=" not in line:
             continue
         config = _backend_config(line)
-        scoped = sum(int(c.get("size", 0)) for c in config.get("used_scoped_memory_configs", []))
+        scoped = scoped_vmem_bytes(line)
         cost = config.get("custom_call_config", {}).get("cost_estimate") or {}
         flops, transcendentals, bytes_accessed = (
             int(cost[key]) if key in cost else None for key in ("flops", "transcendentals", "bytes_accessed")
