@@ -306,3 +306,50 @@ def test_vmap_matches_the_oracle_per_element(name, interpret):
     cases = [make(seed, **H0_HT) for seed in range(2)]
     cases = _shared(cases, *(n for n in shared if n != "cu_seqlens"))
     testing.vmapped_against_oracle(dispatched(cases[0].op, interpret), cases, set(shared))
+
+
+# --------------------------------------------------------------------------- anchored products
+
+ANCHOR_CHUNK = 64
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gates_at_the_anchor_range_match_the_oracle(dtype, interpret):
+    """gla's per-key gate takes anchored products (`gla_core.chunk.anchored`) in a grid step whose
+    in-chunk exponents stay within the default anchor range of the dtype, and the exact products
+    beyond it. Chunks just inside, just outside and far outside that range, one chunk per step,
+    all match the oracle. With a constant decay d per step the largest in-chunk exponent about
+    the anchor row is d * C / 2."""
+    from gla_core.chunk.anchored import default_anchor_range
+
+    limit = default_anchor_range(dtype) / (ANCHOR_CHUNK / 2)  # the per-step decay at the range
+    per_chunk = [0.97 * limit, 1.03 * limit, 0.5 * limit, 3.0 * limit]
+    seq_len = len(per_chunk) * ANCHOR_CHUNK - 10
+    case = testing.make_case(
+        "gla", batch=2, seq_len=seq_len, key_dim=40, value_dim=24, chunk_size=ANCHOR_CHUNK, dtype=dtype, **H0_HT
+    )
+    steps = np.repeat(np.asarray(per_chunk), ANCHOR_CHUNK)[:seq_len]
+    # every key decays by d at some steps and by less elsewhere, so the range is reached per key
+    spread = np.random.default_rng(0).uniform(0.25, 1.0, case.inputs["gk"].shape)
+    spread[:, ::7] = 1.0
+    gk = -steps[None, :, None, None] * spread
+    case = dataclasses.replace(case, inputs={**case.inputs, "gk": jnp.asarray(gk, jnp.float32)})
+    fn = lambda **kwargs: gla_core.dispatch(
+        "gla", impl=IMPL, interpret=interpret, impl_options={IMPL: {"block_chunks": 1}}, **kwargs
+    )
+    testing.check_against_oracle(fn, case)
+
+
+def test_anchor_range_option_zero_takes_the_exact_products_everywhere(interpret):
+    case = testing.make_case("gla", seq_len=70, key_dim=24, value_dim=40, chunk_size=32, **H0_HT)
+    for anchor_range in (0, 60.0):
+        fn = lambda anchor_range=anchor_range, **kwargs: gla_core.dispatch(
+            "gla", impl=IMPL, interpret=interpret, impl_options={IMPL: {"anchor_range": anchor_range}}, **kwargs
+        )
+        testing.check_against_oracle(fn, case)
+
+
+def test_anchor_range_option_is_checked():
+    case = testing.make_case("gla", seq_len=8, key_dim=8, value_dim=8)
+    with pytest.raises(errors.InvalidArgumentError, match=r"anchor_range: expected None .* got -1"):
+        gla_core.dispatch("gla", impl=IMPL, interpret=True, impl_options={IMPL: {"anchor_range": -1}}, **case.kwargs())

@@ -27,7 +27,7 @@ The shared Pallas chunk kernels (simple_gla / gla) and their pieces
   TN (and BATCHED_NN, BATCHED_NT, BATCHED_TN over a leading batch axis), mxu_dtype, causal_dot,
   row_to_column, column_to_row, compiler_params, cost_estimate;
   the tile options of their implementations: BLOCK_V_OPTION, BLOCK_K_OPTION, BLOCK_CHUNKS_OPTION,
-  block_sizes_of
+  block_sizes_of, and ANCHOR_RANGE_OPTION (the per-key gate's anchored fast path)
 Kernels on the op's own token-major layout (no transposed copies)
   merge_heads, split_heads (the free [B, T*H, D] view), HeadRows, heads_per_group (per-head rows of a block),
   chunk_cumsum, two_sum, floor_cumsum_gates, CUMSUM_GATE_FLOOR (compensated in-kernel cumulative log decays)
@@ -42,6 +42,7 @@ Checks for TPU without a TPU (tests)
 from gla_core import decode, varlen
 from gla_core.adapters import STATE_POOL_REASON, declining_state_pool, swap_state_axes, with_state_layout
 from gla_core.chunk import BlockSizes, chunk_gated_attention, prepare
+from gla_core.chunk.anchored import ANCHOR_RANGE_OPTION
 from gla_core.chunk.bwd_dqkg import chunk_bwd_dqkg
 from gla_core.chunk.common import (
     BATCHED_NN,
@@ -119,6 +120,7 @@ def op_spec(name: str) -> OpSpec:
 
 
 __all__ = [
+    "ANCHOR_RANGE_OPTION",
     "ATTENTION_KEYWORDS",
     "BATCHED_NN",
     "BATCHED_NT",

@@ -192,6 +192,31 @@ def _gate_grads(da: jax.Array, problem: Problem) -> dict[str, jax.Array]:
 
 # One chunk per grid step, and all NT = 3 chunks of the problems in one step.
 CHUNKS_PER_STEP = (1, 3)
+# The per-key gate's gated products: exact everywhere (0), anchored everywhere (a range above every
+# chunk's largest |b_t - b_m|), or anchored in some steps and recomputed exactly in the others.
+ANCHORING = ("exact", "anchored", "mixed")
+
+
+def _anchored_ranges(problem: Problem) -> np.ndarray:
+    """max |b_t - b_m| of every chunk (all rows, heads, keys), float64 [NT]: what the anchored
+    products of `gla_core.chunk.anchored` must accept."""
+    a = np.asarray(problem.case.inputs["gk"], np.float64)
+    b, t, h, k = a.shape
+    padded = problem.config.geometry.num_chunks * CHUNK
+    cum = np.cumsum(np.pad(a, [(0, 0), (0, padded - t), (0, 0), (0, 0)]).reshape(b, -1, CHUNK, h, k), axis=2)
+    anchor = cum[:, :, CHUNK // 2 - 1 : CHUNK // 2]
+    return np.max(np.abs(cum - anchor), axis=(0, 2, 3, 4))
+
+
+def _anchor_range(problem: Problem, anchoring: str) -> float:
+    if anchoring == "exact" or problem.config.gate_mode != "key":
+        return 0.0
+    ranges = _anchored_ranges(problem)
+    if anchoring == "anchored":
+        return float(np.max(ranges)) + 1.0
+    low, high = float(np.min(ranges)), float(np.max(ranges))
+    assert high > low + 1e-3, "the problem's chunks need different ranges for a mixed case"
+    return (low + high) / 2
 
 
 @pytest.mark.parametrize("chunks_per_step", CHUNKS_PER_STEP)
@@ -204,8 +229,12 @@ def test_fwd_h_states_and_final_state(problem, chunks_per_step, no_races, interp
     assert_close("final_state", final, problem.reference.outputs["final_state"], TOL.output)
 
 
+@pytest.mark.parametrize("anchoring", ANCHORING)
 @pytest.mark.parametrize("chunks_per_step", CHUNKS_PER_STEP)
-def test_fwd_outputs_and_final_state(problem, chunks_per_step, no_races, interpret):
+def test_fwd_outputs_and_final_state(problem, chunks_per_step, anchoring, request, interpret):
+    if problem.config.gate_mode != "key" and anchoring != "exact":
+        pytest.skip("anchored products are those of a per-key gate")
+    request.getfixturevalue("no_races")  # after the skip: the fixture fails a test that ran no kernel
     x, config = problem.inputs, problem.config
     specs = config.specs().with_chunks_per_step(chunks_per_step)
     o, ht, scores = chunk_fwd(
@@ -220,6 +249,7 @@ def test_fwd_outputs_and_final_state(problem, chunks_per_step, no_races, interpr
         output_final_state=True,
         interpret=interpret,
         keep_scores=True,
+        anchor_range=_anchor_range(problem, anchoring),
     )
     o = prepare.from_kernel(o, config.geometry, None, config.geometry.value_dim)
     assert_close("o", o, problem.reference.outputs["o"], TOL.output)
@@ -270,8 +300,11 @@ def test_bwd_dv(problem, chunks_per_step, interpret):
     assert_close("dv", dv, problem.reference.grads["dv"], TOL.grad)
 
 
+@pytest.mark.parametrize("anchoring", ANCHORING)
 @pytest.mark.parametrize("chunks_per_step", CHUNKS_PER_STEP)
-def test_bwd_dqkg(problem, chunks_per_step, interpret):
+def test_bwd_dqkg(problem, chunks_per_step, anchoring, interpret):
+    if problem.config.gate_mode != "key" and anchoring != "exact":
+        pytest.skip("anchored products are those of a per-key gate")
     x, config = problem.inputs, problem.config
     h = _to_kernel_states(problem.states, problem)
     dh = _to_kernel_states(problem.state_grads, problem)
@@ -286,6 +319,7 @@ def test_bwd_dqkg(problem, chunks_per_step, interpret):
         specs=config.dqkg_specs().with_chunks_per_step(chunks_per_step),
         scale=config.scale,
         interpret=interpret,
+        anchor_range=_anchor_range(problem, anchoring),
     )
     geo = config.geometry
     got = {

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gla_core
 from gla_core.kit import (
+    ANCHOR_RANGE_OPTION,
     BLOCK_CHUNKS_OPTION,
     BLOCK_K_OPTION,
     BLOCK_V_OPTION,
@@ -22,7 +23,7 @@ IMPLEMENTATION = "chunk"
 
 PRIORITY = 100
 BACKENDS = frozenset({"tpu"})
-BLOCK_OPTIONS = (BLOCK_V_OPTION, BLOCK_K_OPTION, BLOCK_CHUNKS_OPTION)
+OPTIONS = (BLOCK_V_OPTION, BLOCK_K_OPTION, BLOCK_CHUNKS_OPTION, ANCHOR_RANGE_OPTION)
 
 
 def gates_of(args) -> dict:
@@ -44,6 +45,7 @@ def run(args):
         chunk_size=args.chunk_size,
         interpret=args.interpret,
         block_sizes=block_sizes_of(args.options),
+        anchor_range=args.options.get("anchor_range"),
     )
 
 
@@ -65,5 +67,5 @@ def implementations() -> list[gla_core.Implementation]:
         backends=BACKENDS,
         supports=supports,
         interpretable=True,
-        options=BLOCK_OPTIONS,
+        options=OPTIONS,
     )

@@ -7,7 +7,8 @@ With `G_c = d loss / d S_{c+1}` (the gradient of the state a chunk produces):
 `G` is reset to the final-state gradient `dht[seq]` (or zero) at the last chunk of every
 sequence, and the gradient of the initial state `dh0[seq]` is written after its first
 chunk. The time grid axis runs backwards through the index maps (no flipped copies).
-Gradients are float32 and stored transposed, `[V, K]`.
+Gradients are float32 and stored transposed, `[V, K]`. Per-key gates take all chunks of a grid
+step at once (`_bwd_dh_step_kernel`, see `batched`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import functools
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from gla_core.chunk.common import TN, dot, mxu_dtype
+from gla_core.chunk.anchored import StepDecays
+from gla_core.chunk.batched import chunk_rows, state_chain, store_per_chunk
+from gla_core.chunk.common import BATCHED_TN, TN, dot, mxu_dtype
 from gla_core.chunk.gates import make_gate
 from gla_core.chunk.launch import carry_in, launch_state_pass, step_edges
 from gla_core.chunk.specs import ChunkSpecs
@@ -65,6 +68,34 @@ def _bwd_dh_kernel(
             dh0_ref[...] = grad
 
 
+def _bwd_dh_step_kernel(
+    first_ref, last_ref, seq_ref, *refs, has_dht, has_dh0, scale, num_chunks, dtype, chunk, chunks_per_step
+):
+    q_ref, do_ref, gate_ref = refs[:3]  # [n*C, K], [n*C, Vt], [n*C, K] float32
+    dht_ref = refs[3] if has_dht else None  # [Vt, K]
+    table_ref = refs[3 + has_dht]  # the key mask table
+    outs = refs[4 + has_dht :]
+    dh_ref = outs[0]  # [n, Vt, K] ([Vt, K] for n = 1): the gradient of the state after every chunk
+    dh0_ref = outs[1] if has_dh0 else None  # [Vt, K]
+    grad_ref = outs[-1]  # VMEM scratch [Vt, K] float32
+    n = chunks_per_step
+    walked = pl.program_id(3) * n  # chunks after this step's
+    last_chunk = num_chunks - 1 - walked
+    carry_in(grad_ref, walked, last_ref[last_chunk] == 1, dht_ref)
+    decays = StepDecays(gate_ref[...], table_ref, chunk)
+    q = chunk_rows(q_ref, n, jnp.float32)  # [n, C, K]
+    updates = scale * dot(chunk_rows(do_ref, n), q * decays.from_start, BATCHED_TN, dtype)  # [n, Vt, K]
+    grads, grad = state_chain(grad_ref[...], decays.last_decay, updates, reverse=True)
+    store_per_chunk(dh_ref, grads)
+    grad_ref[...] = grad
+
+    if has_dh0:
+
+        @pl.when(first_ref[last_chunk - n + 1] == 1)
+        def _initial():
+            dh0_ref[...] = grad
+
+
 def chunk_bwd_dh(q, do, gate, dht, meta, *, specs: ChunkSpecs, scale: float, need_dh0: bool, interpret: bool):
     """Gradients of the state after every chunk, and of the initial states.
 
@@ -87,9 +118,7 @@ def chunk_bwd_dh(q, do, gate, dht, meta, *, specs: ChunkSpecs, scale: float, nee
 
 
 def _launch(q, do, gate, dht, first, last, sequence, *, specs: ChunkSpecs, scale: float, need_dh0: bool, interpret):
-    kernel = functools.partial(
-        _bwd_dh_kernel,
-        gate_mode=specs.gate_mode,
+    flags = dict(
         has_dht=dht is not None,
         has_dh0=need_dh0,
         scale=scale,
@@ -97,5 +126,12 @@ def _launch(q, do, gate, dht, first, last, sequence, *, specs: ChunkSpecs, scale
         dtype=mxu_dtype(q.dtype),
         chunks_per_step=specs.chunks_per_step,
     )
+    per_step = specs.gate_mode == "key"
+    if per_step:
+        kernel = functools.partial(_bwd_dh_step_kernel, chunk=specs.chunk, **flags)
+    else:
+        kernel = functools.partial(_bwd_dh_kernel, gate_mode=specs.gate_mode, **flags)
     state_args = (q, do, gate, dht, first, last, sequence)
-    return launch_state_pass("chunk_bwd_dh", kernel, *state_args, specs=specs, state_out=need_dh0, interpret=interpret)
+    return launch_state_pass(
+        "chunk_bwd_dh", kernel, *state_args, specs=specs, state_out=need_dh0, per_step=per_step, interpret=interpret
+    )

@@ -12,6 +12,10 @@ With `S_c` the state before the chunk, `G_c` the gradient of the state after it 
 is `d loss / d a_u = sum_{t>=u} d loss / d b_t`, formed in the kernel by triangular matmuls
 without the terms that cancel exactly (see the kernel). The grid is (B, H, NK, NT), all
 parallel, with all of V in every block.
+
+Per-key gates take a grid step at a time (`_anchored_step_kernel`): every chunk of the step
+together, with the anchored products of `anchored.StepDecays`; a step whose decays are out of
+the anchor range is recomputed chunk by chunk with the exact level products (`_bwd_dqkg_kernel`).
 """
 
 from __future__ import annotations
@@ -22,8 +26,22 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from gla_core.chunk.common import NN, NT, chunk_iota, compiler_params, cost_estimate, dot, mxu_dtype
-from gla_core.chunk.gates import intra_costs, make_gate, mask_table_inputs
+from gla_core.chunk.anchored import StepDecays, batched_mask_dot
+from gla_core.chunk.batched import causal_mask, chunk_rows, load_per_chunk, store_chunk_rows
+from gla_core.chunk.common import (
+    BATCHED_NN,
+    BATCHED_NT,
+    BATCHED_TN,
+    NN,
+    NT,
+    chunk_iota,
+    compiler_params,
+    cost_estimate,
+    dot,
+    mxu_dtype,
+    split_for_mask_dot,
+)
+from gla_core.chunk.gates import GATE_FLOOR, KeyMaskTable, intra_costs, make_gate, mask_table_inputs
 from gla_core.chunk.launch import for_each_chunk
 from gla_core.chunk.specs import ChunkSpecs
 from gla_core.pallas_transforms import fold_vmap
@@ -58,8 +76,81 @@ def _bwd_dqkg_kernel(q_ref, k_ref, v_ref, do_ref, gate_ref, h_ref, dh_ref, *refs
     dk_ref[...] = dk.astype(dk_ref.dtype)
 
 
+def _triangular_sum(table_ref, block: int, x: jax.Array) -> jax.Array:
+    """`mask @ x` per chunk for block `block` of the key mask table and x `[n, C, K]` float32."""
+    chunks, chunk, keys = x.shape
+    parts = split_for_mask_dot(x.reshape(chunks * chunk, keys)).reshape(chunks, chunk, 3 * keys)
+    return batched_mask_dot(table_ref[pl.ds(block * chunk, chunk), :], parts)
+
+
+def _anchored_step_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    gate_ref,
+    h_ref,
+    dh_ref,
+    table_ref,
+    dq_ref,
+    dk_ref,
+    da_ref,
+    *,
+    scale,
+    dtype,
+    chunk,
+    chunks_per_step,
+    anchor_range,
+    exact,
+):
+    # q, k [n*C, Kt]; v, do [n*C, V]; gate [n*C, Kt] float32; h, dh [n, V, Kt] ([V, Kt] for n = 1)
+    # float32; the key mask table; dq, dk [n*C, Kt]; da [n*C, Kt] float32
+    n, c = chunks_per_step, chunk
+    a = gate_ref[...]
+    decays = StepDecays(a, table_ref, c, anchor_range)
+    q, k = chunk_rows(q_ref, n, jnp.float32), chunk_rows(k_ref, n, jnp.float32)  # [n, C, Kt]
+    v, do = chunk_rows(v_ref, n), chunk_rows(do_ref, n)  # [n, C, V]
+    state, grad = load_per_chunk(h_ref, n), load_per_chunk(dh_ref, n)  # [n, V, Kt]
+    d_scores = dot(do, v, BATCHED_NT, dtype)  # [n, C, C]
+    rows = jax.lax.broadcasted_iota(jnp.int32, d_scores.shape, 1)
+    cols = jax.lax.broadcasted_iota(jnp.int32, d_scores.shape, 2)
+    d_diagonal = jnp.sum(jnp.where(rows == cols, d_scores, 0.0), axis=2, keepdims=True)  # [n, C, 1]
+    strict = jnp.where(causal_mask(n, c, strict=True), d_scores, 0.0)
+    q_strict = decays.row_factor * dot(strict, k * decays.column_factor, BATCHED_NN, dtype)  # [n, C, Kt]
+    k_strict = decays.column_factor * dot(strict, q * decays.row_factor, BATCHED_TN, dtype)  # [n, C, Kt]
+    dq_inter = dot(do, state, BATCHED_NN, dtype) * decays.from_start  # [n, C, Kt]
+    dk_inter = dot(v, grad, BATCHED_NN, dtype) * decays.to_end  # [n, C, Kt]
+    store_chunk_rows(dq_ref, scale * (dq_inter + q_strict + d_diagonal * k))
+    store_chunk_rows(dk_ref, dk_inter + scale * (k_strict + d_diagonal * q))
+    # The gate gradient as in `_bwd_dqkg_kernel` (each term summed only over the steps it reaches).
+    after = scale * (q * (dq_inter + q_strict) - k * k_strict)
+    total = decays.last_decay * jnp.sum(state * grad, axis=1, keepdims=True)  # [n, 1, Kt]
+    da = (
+        _triangular_sum(table_ref, KeyMaskTable(c).from_u_on, after)
+        + _triangular_sum(table_ref, KeyMaskTable(c).before_u, k * dk_inter)
+        + total
+    )
+    store_chunk_rows(da_ref, jnp.where(chunk_rows(gate_ref, n) <= GATE_FLOOR, 0.0, da))
+
+    @pl.when(jnp.logical_not(decays.in_range))
+    def _exact():
+        exact(q_ref, k_ref, v_ref, do_ref, gate_ref, h_ref, dh_ref, table_ref, dq_ref, dk_ref, da_ref)
+
+
 def chunk_bwd_dqkg(
-    q, k, v, do, gate, h, dh, *, specs: ChunkSpecs, scale: float, interpret: bool, float32_products: bool = False
+    q,
+    k,
+    v,
+    do,
+    gate,
+    h,
+    dh,
+    *,
+    specs: ChunkSpecs,
+    scale: float,
+    interpret: bool,
+    float32_products: bool = False,
+    anchor_range: float = 0.0,
 ):
     """Query, key and gate gradients.
 
@@ -82,11 +173,13 @@ def chunk_bwd_dqkg(
     if specs.tiled != "k":
         raise ValueError("chunk_bwd_dqkg needs K-tiled specs with all of V in a block (ChunkSpecs.key_tiled)")
     dtype = jnp.float32 if float32_products else mxu_dtype(q.dtype)
-    launch = functools.partial(_launch, specs=specs, scale=scale, dtype=dtype, interpret=interpret)
+    launch = functools.partial(
+        _launch, specs=specs, scale=scale, dtype=dtype, anchor_range=anchor_range, interpret=interpret
+    )
     return fold_vmap(launch, (q, k, v, do, gate, h, dh), in_axes=(0,) * 7, out_axes=0)
 
 
-def _launch(q, k, v, do, gate, h, dh, *, specs: ChunkSpecs, scale: float, dtype, interpret: bool):
+def _launch(q, k, v, do, gate, h, dh, *, specs: ChunkSpecs, scale: float, dtype, anchor_range: float, interpret: bool):
     b, hh, tp, kdim = q.shape
     vdim = v.shape[-1]
     nk, nt, c = specs.num_tiles, specs.num_chunks, specs.chunk
@@ -98,11 +191,23 @@ def _launch(q, k, v, do, gate, h, dh, *, specs: ChunkSpecs, scale: float, dtype,
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype), gate_grad_shape]
     kernel = functools.partial(_bwd_dqkg_kernel, gate_mode=specs.gate_mode, scale=scale, dtype=dtype)
     table, table_spec = mask_table_inputs(specs.gate_mode, c)
-    flops, transcendentals = intra_costs(specs.gate_mode, c, specs.block_k, products=2)
+    kernel = for_each_chunk(kernel, specs, "rrrr" + specs.gate_kind + "cc" + "s" * len(table) + "rr" + specs.gate_kind)
+    anchored = specs.gate_mode == "key" and anchor_range > 0
+    if anchored:
+        kernel = functools.partial(
+            _anchored_step_kernel,
+            scale=scale,
+            dtype=dtype,
+            chunk=c,
+            chunks_per_step=specs.chunks_per_step,
+            anchor_range=anchor_range,
+            exact=kernel,
+        )
+    flops, transcendentals = intra_costs(specs.gate_mode, c, specs.block_k, products=2, anchored=anchored)
     flops = b * hh * nk * nt * flops + b * hh * (6 * tp * kdim * vdim + 2 * tp * c * vdim * nk)
     with jax.named_scope("chunk_bwd_dqkg"):
         return pl.pallas_call(
-            for_each_chunk(kernel, specs, "rrrr" + specs.gate_kind + "cc" + "s" * len(table) + "rr" + specs.gate_kind),
+            kernel,
             out_shape=out_shape,
             grid=specs.grid(b, hh),
             in_specs=[

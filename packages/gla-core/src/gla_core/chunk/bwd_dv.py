@@ -4,7 +4,8 @@
     A_ts = sum_k q_tk k_sk e^{b_tk - b_sk}
 
 with `G_c` the gradient of the state after chunk c (`chunk_bwd_dh`) and `A` the intra-chunk
-scores the forward kept (`chunk_fwd(keep_scores=True)`). Every grid axis is parallel.
+scores the forward kept (`chunk_fwd(keep_scores=True)`). Every grid axis is parallel. Per-key
+gates take all chunks of a grid step at once (`_bwd_dv_step_kernel`, see `batched`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import functools
 
 import jax.numpy as jnp
 
-from gla_core.chunk.common import NT, TN, dot, mxu_dtype
+from gla_core.chunk.anchored import StepDecays
+from gla_core.chunk.batched import chunk_rows, load_per_chunk, store_chunk_rows
+from gla_core.chunk.common import BATCHED_NT, BATCHED_TN, NT, TN, dot, mxu_dtype
 from gla_core.chunk.gates import make_gate
 from gla_core.chunk.launch import launch_value_pass
 from gla_core.chunk.specs import ChunkSpecs
@@ -28,6 +31,19 @@ def _bwd_dv_kernel(k_ref, do_ref, gate_ref, dh_ref, scores_ref, *refs, gate_mode
     from_state = dot(k_decayed, dh_ref[...], NT, dtype)  # [C, Vt]
     intra = dot(scores_ref[...], do_ref[...], TN, dtype)
     dv_ref[...] = (from_state + scale * intra).astype(dv_ref.dtype)
+
+
+def _bwd_dv_step_kernel(
+    k_ref, do_ref, gate_ref, dh_ref, scores_ref, table_ref, dv_ref, *, scale, dtype, chunks_per_step
+):
+    # k [n*C, K]; do [n*C, Vt]; gate [n*C, K] float32; dh [n, Vt, K] float32; scores [n, C, C]
+    # ([Vt, K] and [C, C] for n = 1); the key mask table; dv [n*C, Vt]
+    n = chunks_per_step
+    decays = StepDecays(gate_ref[...], table_ref, k_ref.shape[0] // n)
+    k_decayed = chunk_rows(k_ref, n, jnp.float32) * decays.to_end  # [n, C, K]
+    from_state = dot(k_decayed, load_per_chunk(dh_ref, n), BATCHED_NT, dtype)  # [n, C, Vt]
+    intra = dot(load_per_chunk(scores_ref, n), chunk_rows(do_ref, n), BATCHED_TN, dtype)  # [n, C, Vt]
+    store_chunk_rows(dv_ref, from_state + scale * intra)
 
 
 def chunk_bwd_dv(k, do, gate, dh, scores, *, specs: ChunkSpecs, scale: float, dtype, interpret: bool):
@@ -48,7 +64,23 @@ def chunk_bwd_dv(k, do, gate, dh, scores, *, specs: ChunkSpecs, scale: float, dt
 
 
 def _launch(k, do, gate, dh, scores, *, specs: ChunkSpecs, scale: float, dtype, interpret: bool):
-    kernel = functools.partial(_bwd_dv_kernel, gate_mode=specs.gate_mode, scale=scale, dtype=mxu_dtype(k.dtype))
+    per_step = specs.gate_mode == "key"
+    if per_step:
+        kernel = functools.partial(
+            _bwd_dv_step_kernel, scale=scale, dtype=mxu_dtype(k.dtype), chunks_per_step=specs.chunks_per_step
+        )
+    else:
+        kernel = functools.partial(_bwd_dv_kernel, gate_mode=specs.gate_mode, scale=scale, dtype=mxu_dtype(k.dtype))
     return launch_value_pass(
-        "chunk_bwd_dv", kernel, k, do, gate, dh, scores, specs=specs, out_dtype=dtype, interpret=interpret
+        "chunk_bwd_dv",
+        kernel,
+        k,
+        do,
+        gate,
+        dh,
+        scores,
+        specs=specs,
+        out_dtype=dtype,
+        per_step=per_step,
+        interpret=interpret,
     )

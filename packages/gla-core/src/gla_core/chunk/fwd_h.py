@@ -6,7 +6,8 @@ Per chunk c (b_t the sum of the chunk's log decays through step t, L its last st
 
 with the state reset to `initial_state[seq]` at the first chunk of every sequence and the
 final state written at its last chunk (scalar-prefetched per-chunk metadata, see
-`prepare.ChunkMeta`). States are float32 and stored transposed, `[V, K]`.
+`prepare.ChunkMeta`). States are float32 and stored transposed, `[V, K]`. Per-key gates take
+all chunks of a grid step at once (`_fwd_h_step_kernel`, see `batched`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import functools
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from gla_core.chunk.common import TN, dot, mxu_dtype
+from gla_core.chunk.anchored import StepDecays
+from gla_core.chunk.batched import chunk_rows, state_chain, store_per_chunk
+from gla_core.chunk.common import BATCHED_TN, TN, dot, mxu_dtype
 from gla_core.chunk.gates import make_gate
 from gla_core.chunk.launch import carry_in, launch_state_pass, step_edges
 from gla_core.chunk.specs import ChunkSpecs
@@ -52,6 +55,31 @@ def _fwd_h_kernel(
             ht_ref[...] = state
 
 
+def _fwd_h_step_kernel(first_ref, last_ref, seq_ref, *refs, has_h0, has_ht, dtype, chunk, chunks_per_step):
+    k_ref, v_ref, gate_ref = refs[:3]  # [n*C, K], [n*C, Vt], [n*C, K] float32
+    h0_ref = refs[3] if has_h0 else None  # [Vt, K]
+    table_ref = refs[3 + has_h0]  # the key mask table
+    outs = refs[4 + has_h0 :]
+    h_ref = outs[0]  # [n, Vt, K] ([Vt, K] for n = 1): the state before every chunk
+    ht_ref = outs[1] if has_ht else None  # [Vt, K]
+    state_ref = outs[-1]  # VMEM scratch [Vt, K] float32
+    n = chunks_per_step
+    first_chunk = pl.program_id(3) * n
+    carry_in(state_ref, first_chunk, first_ref[first_chunk] == 1, h0_ref)
+    decays = StepDecays(gate_ref[...], table_ref, chunk)
+    k = chunk_rows(k_ref, n, jnp.float32)  # [n, C, K]
+    updates = dot(chunk_rows(v_ref, n), k * decays.to_end, BATCHED_TN, dtype)  # [n, Vt, K]
+    states, state = state_chain(state_ref[...], decays.last_decay, updates)
+    store_per_chunk(h_ref, states)
+    state_ref[...] = state
+
+    if has_ht:
+
+        @pl.when(last_ref[first_chunk + n - 1] == 1)
+        def _final():
+            ht_ref[...] = state
+
+
 def chunk_fwd_h(k, v, gate, h0, meta, *, specs: ChunkSpecs, output_final_state: bool, interpret: bool):
     """States before every chunk.
 
@@ -75,15 +103,23 @@ def chunk_fwd_h(k, v, gate, h0, meta, *, specs: ChunkSpecs, output_final_state: 
 
 
 def _launch(k, v, gate, h0, first, last, sequence, *, specs: ChunkSpecs, output_final_state: bool, interpret: bool):
-    kernel = functools.partial(
-        _fwd_h_kernel,
-        gate_mode=specs.gate_mode,
-        has_h0=h0 is not None,
-        has_ht=output_final_state,
-        dtype=mxu_dtype(k.dtype),
-        chunks_per_step=specs.chunks_per_step,
-    )
+    flags = dict(has_h0=h0 is not None, has_ht=output_final_state, dtype=mxu_dtype(k.dtype))
+    per_step = specs.gate_mode == "key"
+    if per_step:
+        kernel = functools.partial(
+            _fwd_h_step_kernel, chunk=specs.chunk, chunks_per_step=specs.chunks_per_step, **flags
+        )
+    else:
+        kernel = functools.partial(
+            _fwd_h_kernel, gate_mode=specs.gate_mode, chunks_per_step=specs.chunks_per_step, **flags
+        )
     state_args = (k, v, gate, h0, first, last, sequence)
     return launch_state_pass(
-        "chunk_fwd_h", kernel, *state_args, specs=specs, state_out=output_final_state, interpret=interpret
+        "chunk_fwd_h",
+        kernel,
+        *state_args,
+        specs=specs,
+        state_out=output_final_state,
+        per_step=per_step,
+        interpret=interpret,
     )

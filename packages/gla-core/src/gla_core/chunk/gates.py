@@ -193,8 +193,12 @@ class KeyMaskTable:
     The masks depend on C alone. Built inside a kernel from iotas they cost more vector work
     than the products they select, so the launcher passes them once as an input (a block with
     a constant index, fetched once) and `KeyGate` slices it. Blocks of C rows, in order (the
-    first 2 + L are the segment sums of every decay a product needs, one matmul together):
+    first 3 are the segment sums of the anchored products of `anchored.StepDecays`, one matmul
+    together; blocks 1 .. 2 + L those of every decay `KeyGate`'s level products need, one
+    matmul together):
 
+      ANCHOR        [t, u] = +1 for m < u <= t, -1 for t < u <= m (m = C/2 - 1, the anchor row):
+                             D_t = b_t - b_m                                    (anchored products)
       THROUGH       [t, u] = u <= t          b_t = sum_{u<=t} a_u               (from_start)
       AFTER         [t, u] = u > t           b_L - b_t = sum_{u>t} a_u          (to_end)
       SEGMENT + l   [t, u] = r < u <= t for a row t in the upper half of its block at level l,
@@ -204,7 +208,7 @@ class KeyMaskTable:
       BEFORE_U      [u, s] = s < u           sum_{s<u}  (gate gradient)
     """
 
-    THROUGH, AFTER, SEGMENT = range(3)
+    ANCHOR, THROUGH, AFTER, SEGMENT = range(4)
 
     def __init__(self, chunk: int):
         if chunk < 1 or chunk & (chunk - 1):
@@ -229,10 +233,18 @@ class KeyMaskTable:
     def shape(self) -> tuple[int, int]:
         return ((self.before_u + 1) * self.chunk, self.chunk)
 
+    @property
+    def anchor_row(self) -> int:
+        """m, the row the anchored products are anchored at (the middle of the chunk)."""
+        return max(self.chunk // 2 - 1, 0)
+
     def build(self) -> jax.Array:
-        """The table, bfloat16 `shape` (exact 0/1 values)."""
+        """The table, bfloat16 `shape` (exact 0 / +-1 values)."""
         rows, cols = np.indices((self.chunk, self.chunk))
-        blocks = [cols <= rows, cols > rows]
+        m = self.anchor_row
+        anchor = np.where((rows > m) & (cols > m) & (cols <= rows), 1.0, 0.0)
+        anchor = anchor - np.where((rows < m) & (cols > rows) & (cols <= m), 1.0, 0.0)
+        blocks = [anchor, cols <= rows, cols > rows]
         pairs = []
         for level in range(self.levels):
             upper_row = ((rows >> level) & 1) == 1
@@ -243,7 +255,8 @@ class KeyMaskTable:
             same_block = (rows >> (level + 1)) == (cols >> (level + 1))
             pairs.append(same_block & upper_row & (((cols >> level) & 1) == 0))
         gradient_sums = [cols >= rows, cols < rows]
-        return jnp.asarray(np.concatenate(blocks + pairs + gradient_sums, axis=0), jnp.bfloat16)
+        stacked = [np.asarray(block, np.float32) for block in blocks + pairs + gradient_sums]
+        return jnp.asarray(np.concatenate(stacked, axis=0), jnp.bfloat16)
 
     def block_spec(self) -> pl.BlockSpec:
         """The whole table in every grid step (the index never changes, so it is fetched once)."""
@@ -281,13 +294,14 @@ class KeyGate:
     @functools.cached_property
     def _all_decays(self) -> jax.Array:
         """e^{segment sum} of blocks THROUGH .. SEGMENT + L - 1, [(2 + L) C, K] (every exponent <= 0)."""
-        count = KeyMaskTable.SEGMENT + self.table.levels
+        count = KeyMaskTable.SEGMENT - KeyMaskTable.THROUGH + self.table.levels
         return jnp.exp(mask_dot_split(self._masks(KeyMaskTable.THROUGH, count), self.split))
 
     def _decays(self, block: int) -> jax.Array:
         """e^{segment sum} of one block of the table, [C, K]."""
         if self.products:
-            return self._all_decays[block * self.chunk : (block + 1) * self.chunk]
+            first = (block - KeyMaskTable.THROUGH) * self.chunk
+            return self._all_decays[first : first + self.chunk]
         return jnp.exp(mask_dot_split(self._masks(block), self.split))
 
     def from_start(self) -> jax.Array:
@@ -338,14 +352,16 @@ class KeyGate:
         return jnp.where(self.a <= GATE_FLOOR, 0.0, from_u_on + before_u + total)
 
 
-def intra_costs(mode: str, chunk: int, keys: int, products: int) -> tuple[int, int]:
-    """(flops, transcendentals) of one chunk's gate with `products` gated [C, C] x [C, K] products."""
+def intra_costs(mode: str, chunk: int, keys: int, products: int, anchored: bool = False) -> tuple[int, int]:
+    """(flops, transcendentals) of one chunk's gate with `products` gated [C, C] x [C, K] products;
+    `anchored`: a per-key gate's products are anchored (`anchored.StepDecays`), not level products."""
     product = 2 * chunk * chunk * keys
     if mode == "scalar":
         return 4 * chunk * chunk + 2 * chunk**3 + products * product, chunk * chunk + 3 * chunk
-    levels = max(chunk.bit_length() - 1, 0) if products else 0
-    # Every segment-sum matmul (`mask_dot`) is three bfloat16 products: two for the decays from the
-    # start and to the end, one per level, each level with one exp per element.
+    # Every segment-sum matmul (`mask_dot`) is three bfloat16 products, each with one exp per element.
+    if products and anchored:  # blocks ANCHOR, THROUGH, AFTER; e^{D} and e^{-D}; one matmul per product
+        return 3 * 3 * product + products * product, chunk * keys * 4
+    levels = max(chunk.bit_length() - 1, 0) if products else 0  # THROUGH, AFTER and one block per level
     return 3 * (2 + levels) * product + levels * products * product, chunk * keys * (2 + levels)
 
 

@@ -94,11 +94,13 @@ def launch_state_pass(
     *,
     specs: ChunkSpecs,
     state_out: bool,
+    per_step: bool = False,
     interpret: bool,
 ) -> tuple[jax.Array, jax.Array | None]:
     """Runs `kernel(first, last, sequence, row, column, gate, [state_in], [table], per_chunk, [state_out], scratch,
     chunk_in_step=)` for every chunk in walking order (`table`: the `KeyMaskTable` of a per-key gate;
-    several chunks per grid step, see `for_each_chunk`).
+    several chunks per grid step, see `for_each_chunk`); with `per_step`, `kernel` (without
+    `chunk_in_step`) once per grid step for all its chunks.
 
     Returns (per-chunk states [B, H, NT, V, K] float32, per-sequence states [N, H, V, K] float32
     or None unless `state_out`).
@@ -116,7 +118,7 @@ def launch_state_pass(
     )
     (states,), state = _sequential_call(
         name,
-        for_each_chunk(kernel, specs, kinds, pass_chunk=True),
+        kernel if per_step else for_each_chunk(kernel, specs, kinds, pass_chunk=True),
         [row, column, gate],
         [specs.key(), specs.value(), specs.gate()],
         state_in,
@@ -146,6 +148,7 @@ def launch_output_pass(
     specs: ChunkSpecs,
     state_out: bool,
     scores_dtype=None,
+    step_kernel=None,
     interpret: bool,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
     """Runs `kernel(first, last, sequence, q, k, v, gate, [state_in], [table], o, [scores], [state_out],
@@ -153,17 +156,23 @@ def launch_output_pass(
     time and writes the outputs of every chunk (several chunks per grid step, see `for_each_chunk`)
     and, given `scores_dtype`, every chunk's intra-chunk scores.
 
+    `step_kernel`: instead, run `step_kernel(*the same refs, start, exact=)` once per grid step, with
+    `start` a second `[Vt, K]` float32 VMEM scratch and `exact(*the same refs)` running `kernel` for
+    every chunk of the step (a step kernel with a fast path and an exact recompute).
+
     Returns (o [B, H, Tp, V] in v's dtype, per-sequence states [N, H, V, K] float32 or None unless
     `state_out`, scores [B, H, NF, NT, C, C] in `scores_dtype` (one copy per V tile) or None).
     """
     b, hh, _, kdim = q.shape
     nv, nt, c = specs.num_tiles, specs.num_chunks, specs.chunk
-    gate_flops, transcendentals = intra_costs(specs.gate_mode, c, kdim, products=1)
+    gate_flops, transcendentals = intra_costs(specs.gate_mode, c, kdim, products=1, anchored=step_kernel is not None)
     has_table = specs.gate_mode == "key"
     has_scores = scores_dtype is not None
     # first, last, sequence; q, k, v, gate, [state_in], [table]; o, [scores], [state_out]; the carried state
     kinds = "sss" + "rrr" + specs.gate_kind + "s" * (state_in is not None) + "s" * has_table + "r" + "c" * has_scores
     kernel = for_each_chunk(kernel, specs, kinds + "s" * state_out + "s", pass_chunk=True)
+    if step_kernel is not None:
+        kernel = functools.partial(step_kernel, exact=kernel)
     per_chunk = 4 * c * kdim * specs.block_v + 2 * c * c * specs.block_v + 3 * kdim * specs.block_v
     outputs = [(jax.ShapeDtypeStruct(v.shape, v.dtype), specs.value())]
     if has_scores:
@@ -181,6 +190,7 @@ def launch_output_pass(
         state_out=state_out,
         flops=b * hh * nv * nt * (gate_flops + per_chunk),
         transcendentals=b * hh * nv * nt * transcendentals,
+        extra_states=step_kernel is not None,
         interpret=interpret,
     )
     return per_chunk_outputs[0], state, (per_chunk_outputs[1] if has_scores else None)
@@ -199,11 +209,13 @@ def _sequential_call(
     state_out: bool,
     flops: int,
     transcendentals: int,
+    extra_states: int = 0,
     interpret: bool,
 ) -> tuple[list[jax.Array], jax.Array | None]:
     """A `pallas_call` walking time in order ("arbitrary") with a `[Vt, K]` float32 state in VMEM
-    scratch, the per-chunk metadata scalar-prefetched, an optional per-sequence state in and out
-    and the gate's mask table. `outputs`: (shape, block) of the outputs written chunk by chunk.
+    scratch (and `extra_states` more such scratch states after it), the per-chunk metadata
+    scalar-prefetched, an optional per-sequence state in and out and the gate's mask table.
+    `outputs`: (shape, block) of the outputs written chunk by chunk.
     Returns (those outputs, the per-sequence states or None)."""
     kdim = inputs[0].shape[-1]
     inputs, in_specs = list(inputs), list(in_specs)
@@ -229,7 +241,7 @@ def _sequential_call(
                 grid=specs.grid(*inputs[0].shape[:2]),
                 in_specs=in_specs,
                 out_specs=out_specs,
-                scratch_shapes=[pltpu.VMEM((specs.block_v, kdim), jnp.float32)],
+                scratch_shapes=[pltpu.VMEM((specs.block_v, kdim), jnp.float32)] * (1 + extra_states),
             ),
             compiler_params=compiler_params("parallel", "parallel", "parallel", "arbitrary"),
             interpret=interpret_params(interpret),
@@ -250,10 +262,12 @@ def launch_value_pass(
     *,
     specs: ChunkSpecs,
     out_dtype,
+    per_step: bool = False,
     interpret: bool,
 ) -> jax.Array:
     """Runs `kernel(k, value, gate, states, scores, [table], out)` for every chunk, over (B, H, V
-    tiles, time blocks) all parallel (`table`: the `KeyMaskTable` of a per-key gate; `for_each_chunk`).
+    tiles, time blocks) all parallel (`table`: the `KeyMaskTable` of a per-key gate; `for_each_chunk`);
+    with `per_step`, once per grid step for all its chunks.
 
     k [B, H, Tp, K]; value [B, H, Tp, V]; states [B, H, NT, V, K] float32 (one per chunk);
     scores [B, H, NF, NT, C, C] (the forward's, one copy per V tile). Returns [B, H, Tp, V] in `out_dtype`.
@@ -268,7 +282,9 @@ def launch_value_pass(
     table, table_spec = mask_table_inputs(specs.gate_mode, c)
     with jax.named_scope(name):
         return pl.pallas_call(
-            for_each_chunk(kernel, specs, "rr" + specs.gate_kind + "cc" + "s" * len(table) + "r"),
+            kernel
+            if per_step
+            else for_each_chunk(kernel, specs, "rr" + specs.gate_kind + "cc" + "s" * len(table) + "r"),
             out_shape=out_shape,
             grid=specs.grid(b, hh),
             in_specs=[specs.key(), specs.value(), specs.gate(), specs.chunk_state(), specs.chunk_scores(), *table_spec],

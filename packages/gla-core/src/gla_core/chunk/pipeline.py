@@ -26,10 +26,11 @@ import jax.numpy as jnp
 
 from gla_core import varlen
 from gla_core.chunk import prepare
+from gla_core.chunk.anchored import default_anchor_range
 from gla_core.chunk.bwd_dh import chunk_bwd_dh
 from gla_core.chunk.bwd_dqkg import chunk_bwd_dqkg
 from gla_core.chunk.bwd_dv import chunk_bwd_dv
-from gla_core.chunk.common import DEFAULT_BLOCK_SIZES, BlockSizes
+from gla_core.chunk.common import DEFAULT_BLOCK_SIZES, BlockSizes, mxu_dtype
 from gla_core.chunk.empty import empty_attention, has_no_tokens
 from gla_core.chunk.fwd import chunk_fwd
 from gla_core.chunk.fwd_h import chunk_fwd_h
@@ -53,6 +54,8 @@ class ChunkConfig:
       block_sizes: kernel tile sizes.
       dtypes: dtype name of every given array argument by its op keyword ("q", "k", "v",
         "g", "g_gamma", "gk", "initial_state"), so gradients come back in the input dtypes.
+      anchor_range: for a per-key gate, the largest in-chunk exponent of the anchored products
+        (`anchored.StepDecays`); 0 takes the exact level products everywhere.
     """
 
     geometry: prepare.Geometry
@@ -61,6 +64,7 @@ class ChunkConfig:
     interpret: bool
     block_sizes: BlockSizes
     dtypes: tuple[tuple[str, str], ...]
+    anchor_range: float = 0.0
 
     @classmethod
     def create(
@@ -74,14 +78,16 @@ class ChunkConfig:
         num_sequences: int | None = None,
         interpret: bool = False,
         block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES,
+        anchor_range: float | None = None,
         **arrays,
     ) -> ChunkConfig:
         """The config of a call with q [B, T, H, K], v [B, T, H, V] and the other arrays by
-        keyword (k, g, g_gamma, gk, initial_state; None when absent)."""
+        keyword (k, g, g_gamma, gk, initial_state; None when absent). `anchor_range` None takes
+        the default of the compute dtype (`anchored.default_anchor_range`)."""
         if chunk_size not in CHUNK_SIZES:
             raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES}, got {chunk_size}")
         arrays = dict(q=q, v=v, **arrays)
-        return cls(
+        config = cls(
             geometry=prepare.geometry(q, v, chunk_size, num_sequences),
             scale=float(q.shape[-1] ** -0.5 if scale is None else scale),
             output_final_state=bool(output_final_state),
@@ -89,6 +95,9 @@ class ChunkConfig:
             block_sizes=block_sizes,
             dtypes=tuple(sorted((name, jnp.dtype(x.dtype).name) for name, x in arrays.items() if x is not None)),
         )
+        if anchor_range is None:
+            anchor_range = default_anchor_range(mxu_dtype(config.compute_dtype))
+        return dataclasses.replace(config, anchor_range=float(anchor_range))
 
     @property
     def gate_mode(self) -> str:
@@ -196,6 +205,7 @@ def _forward(config: ChunkConfig, q, k, v, g, g_gamma, gk, initial_state, cu_seq
         output_final_state=config.output_final_state,
         interpret=config.interpret,
         keep_scores=keep_scores,
+        anchor_range=config.anchor_range,
     )
     x = dataclasses.replace(x, scores=scores)
     o = prepare.from_kernel(o, geo, x.layout, geo.value_dim, v.dtype)
@@ -246,6 +256,7 @@ def _backward(config: ChunkConfig, x: KernelInputs, cotangents):
         scale=scale,
         interpret=interpret,
         float32_products=x.float32_gate_grad,
+        anchor_range=config.anchor_range,
     )
     return (*op_gradients(config, layout, dq, dk, dv, da, dh0, dht if has_dht else None), None)
 
@@ -344,6 +355,7 @@ def chunk_gated_attention(
     chunk_size: int = 64,
     interpret: bool = False,
     block_sizes: BlockSizes = DEFAULT_BLOCK_SIZES,
+    anchor_range: float | None = None,
 ):
     """Gated linear attention on the Pallas TPU chunk kernels (simple_gla and gla).
 
@@ -362,6 +374,8 @@ def chunk_gated_attention(
       chunk_size: 16, 32, 64 or 128.
       interpret: run the kernels in TPU interpret mode.
       block_sizes: kernel tile sizes.
+      anchor_range: for gk, the largest in-chunk exponent of the anchored fast path (steps beyond
+        it are recomputed exactly); None: the default of the compute dtype, 0: always exact.
 
     Returns:
       (o [B, T, H, V] in v's dtype, final_state or None). Differentiable in q, k, v, g,
@@ -383,6 +397,7 @@ def chunk_gated_attention(
         num_sequences=None if cu_seqlens is None else cu_seqlens.shape[0] - 1,
         interpret=interpret,
         block_sizes=block_sizes,
+        anchor_range=anchor_range,
         k=k,
         g=g,
         g_gamma=g_gamma,
