@@ -473,6 +473,31 @@ NAN_CASES = [
         ),
         Poison("k", batch_row=0, step=110, head=0, dim=2),
     ),
+    # gla chunk: a NaN in k or v sent its whole grid step to the exact level products, so the earlier
+    # rows of the step (in range for the anchored products in the clean run) changed by rounding.
+    _case(
+        "nan-anchored-step-rounding",
+        "gla-chunk",
+        Spec(
+            "gla",
+            seq_len=38,
+            key_dim=100,
+            value_dim=128,
+            chunk_size=128,
+            gate="zero",
+            cu_seqlens=(0, 10, 10, 38, 38),
+            traced_cu_seqlens=True,
+            output_final_state=True,
+            seed=2068,
+        ),
+        Poison("k", batch_row=0, step=29, head=0, dim=20),
+    ),
+    _case(
+        "nan-v-anchored-step-rounding",
+        "gla-chunk",
+        Spec("gla", seq_len=100, key_dim=40, value_dim=24, chunk_size=32, gate="log_sigmoid", seed=7),
+        Poison("v", batch_row=0, step=45, head=1, dim=3),
+    ),
 ]
 
 

@@ -36,7 +36,8 @@ State arguments (state_v_first, the decode path's state pool; semantics in gla_c
   implementation), decode (the serving decode step: decode_attention, decode.registration), host_boundaries,
   state_v_first_of (FLA's deprecated transpose_state_layout), STATE_POOL, STATE_V_FIRST
 Checks for TPU without a TPU (tests)
-  export_for_tpu, compile_for_tpu, CompileReport, DEFAULT_SCOPED_VMEM_BYTES, INTERPRET_HINT
+  export_for_tpu, compile_for_tpu, CompileReport, DEFAULT_SCOPED_VMEM_BYTES, KERNEL_VMEM_BUDGET_BYTES,
+  INTERPRET_HINT
 """
 
 from gla_core import decode, varlen
@@ -95,7 +96,13 @@ from gla_core.tpu import (
     round_up,
     unsupported_dtype_reason,
 )
-from gla_core.tpu_checks import DEFAULT_SCOPED_VMEM_BYTES, CompileReport, compile_for_tpu, export_for_tpu
+from gla_core.tpu_checks import (
+    DEFAULT_SCOPED_VMEM_BYTES,
+    KERNEL_VMEM_BUDGET_BYTES,
+    CompileReport,
+    compile_for_tpu,
+    export_for_tpu,
+)
 from gla_core.validation import (
     attention_call,
     check_cu_seqlens,
@@ -135,6 +142,7 @@ __all__ = [
     "DEFAULT_SCOPED_VMEM_BYTES",
     "GATE_FLOOR",
     "INTERPRET_HINT",
+    "KERNEL_VMEM_BUDGET_BYTES",
     "NN",
     "NT",
     "NUM_LANES",

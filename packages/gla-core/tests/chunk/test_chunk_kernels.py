@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from gla_core.chunk import BlockSizes, prepare
+from gla_core.chunk.bwd import chunk_bwd
 from gla_core.chunk.bwd_dh import chunk_bwd_dh
 from gla_core.chunk.bwd_dqkg import chunk_bwd_dqkg
 from gla_core.chunk.bwd_dv import chunk_bwd_dv
@@ -237,7 +238,7 @@ def test_fwd_outputs_and_final_state(problem, chunks_per_step, anchoring, reques
     request.getfixturevalue("no_races")  # after the skip: the fixture fails a test that ran no kernel
     x, config = problem.inputs, problem.config
     specs = config.specs().with_chunks_per_step(chunks_per_step)
-    o, ht, scores = chunk_fwd(
+    o, ht, scores, states = chunk_fwd(
         x.q,
         x.k,
         x.v,
@@ -249,8 +250,10 @@ def test_fwd_outputs_and_final_state(problem, chunks_per_step, anchoring, reques
         output_final_state=True,
         interpret=interpret,
         keep_scores=True,
+        keep_states=True,
         anchor_range=_anchor_range(problem, anchoring),
     )
+    assert_close("h", _from_kernel_states(states, problem), problem.states, TOL.output)
     o = prepare.from_kernel(o, config.geometry, None, config.geometry.value_dim)
     assert_close("o", o, problem.reference.outputs["o"], TOL.output)
     final = prepare.state_out(ht, config.geometry)
@@ -325,6 +328,46 @@ def test_bwd_dqkg(problem, chunks_per_step, anchoring, interpret):
     got = {
         "dq": prepare.from_kernel(dq, geo, None, geo.key_dim),
         "dk": prepare.from_kernel(dk, geo, None, geo.key_dim),
+        **_gate_grads(da, problem),
+    }
+    for name, value in got.items():
+        assert_close(name, value, problem.reference.grads[name], TOL.grad)
+
+
+@pytest.mark.parametrize("anchoring", ANCHORING)
+@pytest.mark.parametrize("chunks_per_step", CHUNKS_PER_STEP)
+def test_fused_bwd_gradients(problem, chunks_per_step, anchoring, request, interpret):
+    """`chunk_bwd` (per-key gate only) from exact states and scores: every gradient. Its products
+    are anchored, so "exact" here is a range below every chunk's (each step recomputed exactly)."""
+    if problem.config.gate_mode != "key":
+        pytest.skip("the fused backward serves a per-key gate")
+    request.getfixturevalue("no_races")
+    x, config = problem.inputs, problem.config
+    anchor_range = _anchor_range(problem, anchoring) if anchoring != "exact" else 1e-6
+    specs = config.specs().with_chunks_per_step(chunks_per_step)
+    scores = jnp.asarray(problem.scores, jnp.float32)[:, :, None]
+    dq, dk, dv, da, dh0 = chunk_bwd(
+        x.q,
+        x.k,
+        x.v,
+        problem.do,
+        x.gate,
+        _to_kernel_states(problem.states, problem),
+        scores,
+        problem.dht,
+        x.meta,
+        specs=specs.reversed(),
+        scale=config.scale,
+        need_dh0=True,
+        anchor_range=anchor_range,
+        interpret=interpret,
+    )
+    geo = config.geometry
+    got = {
+        "dq": prepare.from_kernel(dq, geo, None, geo.key_dim),
+        "dk": prepare.from_kernel(dk, geo, None, geo.key_dim),
+        "dv": prepare.from_kernel(dv, geo, None, geo.value_dim),
+        "dinitial_state": prepare.state_out(dh0, geo),
         **_gate_grads(da, problem),
     }
     for name, value in got.items():

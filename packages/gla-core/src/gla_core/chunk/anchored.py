@@ -18,7 +18,7 @@ so the intra-chunk scores `sum_k x_tk y_sk e^{b_tk - b_sk}` are one `[C, K] x [K
 they are used only when every |D| of the step is at most the call's anchor range `r`
 (`StepDecays.in_range`, False for NaN); the exponents are clipped to [-r, r] before `exp`, so
 nothing overflows whatever the gates. Steps out of range (strong decays, hard resets, non-finite
-gates) are recomputed by the kernels with the exact level products of `gates.KeyGate`.
+gates) are recomputed by the kernels with the exact level products (`products.LevelProducts`).
 
 Accuracy inside the range: each exponent D carries an absolute float32 rounding of ~|D| 2^-24,
 so a product's relative error is ~2 r 2^-24 (r = 8: 1e-6) on top of the operands' rounding to the
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from gla_core.chunk.common import BATCHED_NN, split_for_mask_dot
+from gla_core.chunk.common import mask_dot, split_for_mask_dot
 from gla_core.chunk.gates import KeyMaskTable
 from gla_core.errors import InvalidArgumentError
 from gla_core.options import Option
@@ -71,17 +71,6 @@ ANCHOR_RANGE_OPTION = Option(
 )
 
 
-def batched_mask_dot(masks: jax.Array, parts: jax.Array) -> jax.Array:
-    """`masks @ x` for every chunk: masks `[R, C]` (exact in bfloat16), parts `[n, C, 3K]` the three
-    bfloat16 parts of float32 `x` (`common.split_for_mask_dot`); returns `[n, R, K]` float32,
-    accurate to float32 accumulation (see `common.mask_dot`)."""
-    n = parts.shape[0]
-    keys = parts.shape[2] // 3
-    masks = jnp.broadcast_to(masks.astype(jnp.bfloat16)[None], (n, *masks.shape))
-    sums = jax.lax.dot_general(masks, parts, BATCHED_NN, preferred_element_type=F32)
-    return (sums[..., :keys] + sums[..., keys : 2 * keys]) + sums[..., 2 * keys :]
-
-
 class StepDecays:
     """The decays of the n chunks of one grid step for a per-key gate.
 
@@ -105,7 +94,7 @@ class StepDecays:
         parts = split_for_mask_dot(a).reshape(self.num_chunks, chunk, 3 * a.shape[1])
         first = KeyMaskTable.ANCHOR if anchor_range is not None else KeyMaskTable.THROUGH
         count = KeyMaskTable.AFTER + 1 - first
-        sums = batched_mask_dot(table_ref[pl.ds(first * chunk, count * chunk), :], parts)  # [n, count*C, K]
+        sums = mask_dot(table_ref[pl.ds(first * chunk, count * chunk), :], parts)  # [n, count*C, K]
         blocks = {
             block: sums[:, (block - first) * chunk : (block - first + 1) * chunk]
             for block in range(first, first + count)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from gla_core.chunk.common import BATCHED_NN, dot
+
 
 def chunk_rows(ref, chunks: int, dtype=None) -> jax.Array:
     """A `[n*C, D]` time block as `[n, C, D]` (cast to `dtype` if given)."""
@@ -44,21 +46,41 @@ def causal_mask(chunks: int, chunk: int, strict: bool = False) -> jax.Array:
 
 
 def state_chain(start: jax.Array, decays: jax.Array, updates: jax.Array, reverse: bool = False):
-    """The carried state through the n chunks of a step: `S <- S * decays[i] + updates[i]`.
+    """The carried states through the chunks of a step: `S <- S * decays[i] + updates[i]`.
 
     Args:
-      start: `[Vt, K]` float32, the state entering the step.
-      decays: `[n, 1, K]` per-key decay of each chunk; updates: `[n, Vt, K]` float32.
-      reverse: walk the chunks from the last to the first (state gradients).
+      start: `[G, Vt, K]` float32, the state entering the step of each of G groups (heads).
+      decays: `[G*n, 1, K]` per-key decay of each chunk; updates: `[G*n, Vt, K]` float32 (group g's
+        n chunks are rows g*n .. g*n + n - 1).
+      reverse: walk each group's chunks from the last to the first (state gradients).
 
     Returns:
-      (`[n, Vt, K]` the state each chunk sees before its own update, in chunk order; the state
-      leaving the step).
+      (`[G*n, Vt, K]` the state each chunk sees before its own update, in chunk order; `[G, Vt, K]`
+      the state leaving the step).
     """
-    chunks = updates.shape[0]
+    groups = start.shape[0]
+    chunks = updates.shape[0] // groups
+    decays = decays.reshape(groups, chunks, *decays.shape[1:])
+    updates = updates.reshape(groups, chunks, *updates.shape[1:])
     seen = [None] * chunks
     state = start
     for i in reversed(range(chunks)) if reverse else range(chunks):
         seen[i] = state
-        state = state * decays[i] + updates[i]
-    return jnp.stack(seen), state
+        state = state * decays[:, i] + updates[:, i]
+    return jnp.stack(seen, axis=1).reshape(groups * chunks, *start.shape[1:]), state
+
+
+def causal_dot(scores: jax.Array, x: jax.Array, dtype) -> jax.Array:
+    """`scores @ x` per chunk for causal `scores` [M, C, C] (zero for s > t) and `x` [M, C, N],
+    float32, where row t sees `x_s` only for s <= t even when `x_s` is not finite (as
+    `common.causal_dot`): `x` with its non-finite entries zeroed, and every row at or after a step
+    holding one NaN."""
+    chunks, chunk = scores.shape[:2]
+    finite = jnp.isfinite(x.astype(jnp.float32))
+    product = dot(scores, jnp.where(finite, x, jnp.zeros((), x.dtype)), BATCHED_NN, dtype)
+    rows = jax.lax.broadcasted_iota(jnp.int32, (chunks, chunk, chunk), 1)
+    cols = jax.lax.broadcasted_iota(jnp.int32, (chunks, chunk, chunk), 2)
+    bad = jnp.max(jnp.where(finite, 0.0, 1.0), axis=2, keepdims=True)  # [M, C, 1]: step s holds one
+    bad_row = jnp.sum(jnp.where(rows == cols, bad, 0.0), axis=1, keepdims=True)  # [M, 1, C]
+    reached = jnp.max(jnp.where(rows >= cols, bad_row, 0.0), axis=2, keepdims=True)  # [M, C, 1]
+    return jnp.where(reached > 0.0, jnp.nan, product)

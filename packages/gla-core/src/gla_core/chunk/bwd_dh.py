@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from gla_core.chunk.anchored import StepDecays
 from gla_core.chunk.batched import chunk_rows, state_chain, store_per_chunk
 from gla_core.chunk.common import BATCHED_TN, TN, dot, mxu_dtype
-from gla_core.chunk.gates import make_gate
+from gla_core.chunk.gates import ScalarGate
 from gla_core.chunk.launch import carry_in, launch_state_pass, step_edges
 from gla_core.chunk.specs import ChunkSpecs
 from gla_core.pallas_transforms import fold_vmap
@@ -32,7 +32,6 @@ def _bwd_dh_kernel(
     last_ref,
     seq_ref,
     *refs,
-    gate_mode,
     has_dht,
     has_dh0,
     scale,
@@ -41,11 +40,9 @@ def _bwd_dh_kernel(
     chunks_per_step,
     chunk_in_step,
 ):
-    q_ref, do_ref, gate_ref = refs[:3]  # [C, K], [C, Vt], [1, C] or [C, K]
+    q_ref, do_ref, gate_ref = refs[:3]  # [C, K], [C, Vt], [1, C]
     dht_ref = refs[3] if has_dht else None  # [Vt, K]
-    has_table = gate_mode == "key"
-    table = refs[3 + has_dht : 3 + has_dht + has_table]  # the key mask table, if any
-    outs = refs[3 + has_dht + has_table :]
+    outs = refs[3 + has_dht :]
     dh_ref = outs[0]  # [Vt, K] gradient of the state after this chunk
     dh0_ref = outs[1] if has_dh0 else None  # [Vt, K]
     grad_ref = outs[-1]  # VMEM scratch [Vt, K] float32
@@ -56,7 +53,7 @@ def _bwd_dh_kernel(
         carry_in(grad_ref, walked, last_ref[c] == 1, dht_ref)
     grad = grad_ref[...]
     dh_ref[...] = grad
-    gate = make_gate(gate_mode, gate_ref[...], dtype, *table, products=False)
+    gate = ScalarGate(gate_ref[...], dtype)
     q_decayed = q_ref[...].astype(jnp.float32) * gate.from_start()  # [C, K]
     grad = grad * gate.last_decay() + scale * dot(do_ref[...], q_decayed, TN, dtype)
     grad_ref[...] = grad
@@ -85,7 +82,8 @@ def _bwd_dh_step_kernel(
     decays = StepDecays(gate_ref[...], table_ref, chunk)
     q = chunk_rows(q_ref, n, jnp.float32)  # [n, C, K]
     updates = scale * dot(chunk_rows(do_ref, n), q * decays.from_start, BATCHED_TN, dtype)  # [n, Vt, K]
-    grads, grad = state_chain(grad_ref[...], decays.last_decay, updates, reverse=True)
+    grads, grad = state_chain(grad_ref[...][None], decays.last_decay, updates, reverse=True)  # one group
+    grad = grad[0]
     store_per_chunk(dh_ref, grads)
     grad_ref[...] = grad
 
@@ -130,8 +128,6 @@ def _launch(q, do, gate, dht, first, last, sequence, *, specs: ChunkSpecs, scale
     if per_step:
         kernel = functools.partial(_bwd_dh_step_kernel, chunk=specs.chunk, **flags)
     else:
-        kernel = functools.partial(_bwd_dh_kernel, gate_mode=specs.gate_mode, **flags)
+        kernel = functools.partial(_bwd_dh_kernel, **flags)
     state_args = (q, do, gate, dht, first, last, sequence)
-    return launch_state_pass(
-        "chunk_bwd_dh", kernel, *state_args, specs=specs, state_out=need_dh0, per_step=per_step, interpret=interpret
-    )
+    return launch_state_pass("chunk_bwd_dh", kernel, *state_args, specs=specs, state_out=need_dh0, interpret=interpret)

@@ -13,9 +13,10 @@ is `d loss / d a_u = sum_{t>=u} d loss / d b_t`, formed in the kernel by triangu
 without the terms that cancel exactly (see the kernel). The grid is (B, H, NK, NT), all
 parallel, with all of V in every block.
 
-Per-key gates take a grid step at a time (`_anchored_step_kernel`): every chunk of the step
-together, with the anchored products of `anchored.StepDecays`; a step whose decays are out of
-the anchor range is recomputed chunk by chunk with the exact level products (`_bwd_dqkg_kernel`).
+Per-key gates take a grid step at a time (`_step_kernel`, `step_math.gradients`): every chunk of
+the step together, with the anchored products; a step whose decays are out of the anchor range
+is recomputed with the exact level products (`products.LevelProducts`; every step when the anchor
+range is 0). The chunk-by-chunk `_bwd_dqkg_kernel` serves scalar gates.
 """
 
 from __future__ import annotations
@@ -26,12 +27,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from gla_core.chunk.anchored import StepDecays, batched_mask_dot
-from gla_core.chunk.batched import causal_mask, chunk_rows, load_per_chunk, store_chunk_rows
+from gla_core.chunk.anchored import StepDecays
+from gla_core.chunk.batched import chunk_rows, load_per_chunk, store_chunk_rows
 from gla_core.chunk.common import (
-    BATCHED_NN,
-    BATCHED_NT,
-    BATCHED_TN,
     NN,
     NT,
     chunk_iota,
@@ -39,22 +37,23 @@ from gla_core.chunk.common import (
     cost_estimate,
     dot,
     mxu_dtype,
-    split_for_mask_dot,
 )
-from gla_core.chunk.gates import GATE_FLOOR, KeyMaskTable, intra_costs, make_gate, mask_table_inputs
+from gla_core.chunk.gates import ScalarGate, intra_costs, mask_table_inputs
 from gla_core.chunk.launch import for_each_chunk
 from gla_core.chunk.specs import ChunkSpecs
+from gla_core.chunk.step_math import run_gradients
 from gla_core.pallas_transforms import fold_vmap
 from gla_core.tpu import interpret_params
 
 
-def _bwd_dqkg_kernel(q_ref, k_ref, v_ref, do_ref, gate_ref, h_ref, dh_ref, *refs, gate_mode, scale, dtype):
-    # q, k [C, Kt]; v, do [C, V]; gate [1, C] or [C, Kt]; h, dh [V, Kt] float32; [key mask table];
-    # dq, dk [C, Kt]; da [1, C] (this K tile's partial sum) or [C, Kt] float32
-    dq_ref, dk_ref, da_ref = refs[-3:]
-    gate = make_gate(gate_mode, gate_ref[...], dtype, *refs[:-3], products=True)
-    q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-    state, grad = h_ref[...], dh_ref[...]
+def chunk_gradients(gate, q, k, v, do, state, grad, *, scale, dtype):
+    """dq, dk `[C, K]` and d loss / d a `[1, C]`, float32, of one chunk of a scalar gate.
+
+    Args:
+      gate: the chunk's `gates.ScalarGate`.
+      q, k: `[C, K]`; v, do: `[C, V]`; state, grad: `[V, K]` float32, the state before the chunk and
+      the gradient of the state after it.
+    """
     chunk = q.shape[0]
     rows, cols = chunk_iota(chunk)
     d_scores = dot(do, v, NT, dtype)  # [C, C]
@@ -71,19 +70,22 @@ def _bwd_dqkg_kernel(q_ref, k_ref, v_ref, do_ref, gate_ref, h_ref, dh_ref, *refs
     # term is summed only over the u it reaches: k_s * dk_inter_s reaches u > s.
     after = scale * (q32 * (dq_inter + q_strict) - k32 * k_strict)
     total = gate.last_decay() * jnp.sum(state * grad, axis=0, keepdims=True)  # [1, K]
-    da_ref[...] = gate.gate_grad(after, k32 * dk_inter, total)
+    return dq, dk, gate.gate_grad(after, k32 * dk_inter, total)
+
+
+def _bwd_dqkg_kernel(q_ref, k_ref, v_ref, do_ref, gate_ref, h_ref, dh_ref, dq_ref, dk_ref, da_ref, *, scale, dtype):
+    # q, k [C, Kt]; v, do [C, V]; gate [1, C]; h, dh [V, Kt] float32; dq, dk [C, Kt];
+    # da [1, C] float32 (this K tile's partial sum)
+    gate = ScalarGate(gate_ref[...], dtype)
+    dq, dk, da = chunk_gradients(
+        gate, q_ref[...], k_ref[...], v_ref[...], do_ref[...], h_ref[...], dh_ref[...], scale=scale, dtype=dtype
+    )
+    da_ref[...] = da
     dq_ref[...] = dq.astype(dq_ref.dtype)
     dk_ref[...] = dk.astype(dk_ref.dtype)
 
 
-def _triangular_sum(table_ref, block: int, x: jax.Array) -> jax.Array:
-    """`mask @ x` per chunk for block `block` of the key mask table and x `[n, C, K]` float32."""
-    chunks, chunk, keys = x.shape
-    parts = split_for_mask_dot(x.reshape(chunks * chunk, keys)).reshape(chunks, chunk, 3 * keys)
-    return batched_mask_dot(table_ref[pl.ds(block * chunk, chunk), :], parts)
-
-
-def _anchored_step_kernel(
+def _step_kernel(
     q_ref,
     k_ref,
     v_ref,
@@ -101,40 +103,29 @@ def _anchored_step_kernel(
     chunk,
     chunks_per_step,
     anchor_range,
-    exact,
 ):
     # q, k [n*C, Kt]; v, do [n*C, V]; gate [n*C, Kt] float32; h, dh [n, V, Kt] ([V, Kt] for n = 1)
     # float32; the key mask table; dq, dk [n*C, Kt]; da [n*C, Kt] float32
-    n, c = chunks_per_step, chunk
+    n = chunks_per_step
     a = gate_ref[...]
-    decays = StepDecays(a, table_ref, c, anchor_range)
-    q, k = chunk_rows(q_ref, n, jnp.float32), chunk_rows(k_ref, n, jnp.float32)  # [n, C, Kt]
-    v, do = chunk_rows(v_ref, n), chunk_rows(do_ref, n)  # [n, C, V]
-    state, grad = load_per_chunk(h_ref, n), load_per_chunk(dh_ref, n)  # [n, V, Kt]
-    d_scores = dot(do, v, BATCHED_NT, dtype)  # [n, C, C]
-    rows = jax.lax.broadcasted_iota(jnp.int32, d_scores.shape, 1)
-    cols = jax.lax.broadcasted_iota(jnp.int32, d_scores.shape, 2)
-    d_diagonal = jnp.sum(jnp.where(rows == cols, d_scores, 0.0), axis=2, keepdims=True)  # [n, C, 1]
-    strict = jnp.where(causal_mask(n, c, strict=True), d_scores, 0.0)
-    q_strict = decays.row_factor * dot(strict, k * decays.column_factor, BATCHED_NN, dtype)  # [n, C, Kt]
-    k_strict = decays.column_factor * dot(strict, q * decays.row_factor, BATCHED_TN, dtype)  # [n, C, Kt]
-    dq_inter = dot(do, state, BATCHED_NN, dtype) * decays.from_start  # [n, C, Kt]
-    dk_inter = dot(v, grad, BATCHED_NN, dtype) * decays.to_end  # [n, C, Kt]
-    store_chunk_rows(dq_ref, scale * (dq_inter + q_strict + d_diagonal * k))
-    store_chunk_rows(dk_ref, dk_inter + scale * (k_strict + d_diagonal * q))
-    # The gate gradient as in `_bwd_dqkg_kernel` (each term summed only over the steps it reaches).
-    after = scale * (q * (dq_inter + q_strict) - k * k_strict)
-    total = decays.last_decay * jnp.sum(state * grad, axis=1, keepdims=True)  # [n, 1, Kt]
-    da = (
-        _triangular_sum(table_ref, KeyMaskTable(c).from_u_on, after)
-        + _triangular_sum(table_ref, KeyMaskTable(c).before_u, k * dk_inter)
-        + total
+    decays = StepDecays(a, table_ref, chunk, anchor_range if anchor_range > 0 else None)
+    operands = (
+        chunk_rows(gate_ref, n),
+        chunk_rows(q_ref, n, jnp.float32),
+        chunk_rows(k_ref, n, jnp.float32),
+        chunk_rows(v_ref, n),
+        chunk_rows(do_ref, n),
+        load_per_chunk(h_ref, n),
+        load_per_chunk(dh_ref, n),
+        table_ref,
     )
-    store_chunk_rows(da_ref, jnp.where(chunk_rows(gate_ref, n) <= GATE_FLOOR, 0.0, da))
 
-    @pl.when(jnp.logical_not(decays.in_range))
-    def _exact():
-        exact(q_ref, k_ref, v_ref, do_ref, gate_ref, h_ref, dh_ref, table_ref, dq_ref, dk_ref, da_ref)
+    def write(dq, dk, da):
+        store_chunk_rows(dq_ref, dq)
+        store_chunk_rows(dk_ref, dk)
+        store_chunk_rows(da_ref, da)
+
+    run_gradients(decays, a, table_ref, operands, write, scale=scale, dtype=dtype, chunk=chunk)
 
 
 def chunk_bwd_dqkg(
@@ -189,20 +180,21 @@ def _launch(q, k, v, do, gate, h, dh, *, specs: ChunkSpecs, scale: float, dtype,
         gate_grad_shape = jax.ShapeDtypeStruct((b, hh, nk, nt, 1, c), jnp.float32)
         gate_grad_spec = specs.scalar_gate_partial()
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype), gate_grad_shape]
-    kernel = functools.partial(_bwd_dqkg_kernel, gate_mode=specs.gate_mode, scale=scale, dtype=dtype)
     table, table_spec = mask_table_inputs(specs.gate_mode, c)
-    kernel = for_each_chunk(kernel, specs, "rrrr" + specs.gate_kind + "cc" + "s" * len(table) + "rr" + specs.gate_kind)
     anchored = specs.gate_mode == "key" and anchor_range > 0
-    if anchored:
+    if specs.gate_mode == "key":
         kernel = functools.partial(
-            _anchored_step_kernel,
+            _step_kernel,
             scale=scale,
             dtype=dtype,
             chunk=c,
             chunks_per_step=specs.chunks_per_step,
             anchor_range=anchor_range,
-            exact=kernel,
         )
+    else:
+        kernel = functools.partial(_bwd_dqkg_kernel, scale=scale, dtype=dtype)
+        kinds = "rrrrccc" + "rrc"
+        kernel = for_each_chunk(kernel, specs, kinds)
     flops, transcendentals = intra_costs(specs.gate_mode, c, specs.block_k, products=2, anchored=anchored)
     flops = b * hh * nk * nt * flops + b * hh * (6 * tp * kdim * vdim + 2 * tp * c * vdim * nk)
     with jax.named_scope("chunk_bwd_dqkg"):

@@ -17,16 +17,15 @@ import jax.numpy as jnp
 from gla_core.chunk.anchored import StepDecays
 from gla_core.chunk.batched import chunk_rows, load_per_chunk, store_chunk_rows
 from gla_core.chunk.common import BATCHED_NT, BATCHED_TN, NT, TN, dot, mxu_dtype
-from gla_core.chunk.gates import make_gate
+from gla_core.chunk.gates import ScalarGate
 from gla_core.chunk.launch import launch_value_pass
 from gla_core.chunk.specs import ChunkSpecs
 from gla_core.pallas_transforms import fold_vmap
 
 
-def _bwd_dv_kernel(k_ref, do_ref, gate_ref, dh_ref, scores_ref, *refs, gate_mode, scale, dtype):
-    # k [C, K]; do [C, Vt]; gate [1, C] or [C, K]; dh [Vt, K] float32; scores [C, C]; [key mask table]; dv [C, Vt]
-    dv_ref = refs[-1]
-    gate = make_gate(gate_mode, gate_ref[...], dtype, *refs[:-1], products=False)
+def _bwd_dv_kernel(k_ref, do_ref, gate_ref, dh_ref, scores_ref, dv_ref, *, scale, dtype):
+    # k [C, K]; do [C, Vt]; gate [1, C]; dh [Vt, K] float32; scores [C, C]; dv [C, Vt]
+    gate = ScalarGate(gate_ref[...], dtype)
     k_decayed = k_ref[...].astype(jnp.float32) * gate.to_end()
     from_state = dot(k_decayed, dh_ref[...], NT, dtype)  # [C, Vt]
     intra = dot(scores_ref[...], do_ref[...], TN, dtype)
@@ -70,7 +69,7 @@ def _launch(k, do, gate, dh, scores, *, specs: ChunkSpecs, scale: float, dtype, 
             _bwd_dv_step_kernel, scale=scale, dtype=mxu_dtype(k.dtype), chunks_per_step=specs.chunks_per_step
         )
     else:
-        kernel = functools.partial(_bwd_dv_kernel, gate_mode=specs.gate_mode, scale=scale, dtype=mxu_dtype(k.dtype))
+        kernel = functools.partial(_bwd_dv_kernel, scale=scale, dtype=mxu_dtype(k.dtype))
     return launch_value_pass(
         "chunk_bwd_dv",
         kernel,
@@ -81,6 +80,5 @@ def _launch(k, do, gate, dh, scores, *, specs: ChunkSpecs, scale: float, dtype, 
         scores,
         specs=specs,
         out_dtype=dtype,
-        per_step=per_step,
         interpret=interpret,
     )

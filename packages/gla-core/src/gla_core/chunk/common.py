@@ -124,27 +124,28 @@ def bfloat16_parts(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
 
 
 def split_for_mask_dot(x: jax.Array) -> jax.Array:
-    """float32 `x` [N, K] as its three bfloat16 parts side by side, [N, 3K] (`mask_dot`'s operand)."""
-    return jnp.concatenate(bfloat16_parts(x), axis=1)
+    """float32 `x` [..., N, K] as its three bfloat16 parts side by side, [..., N, 3K] (`mask_dot`'s operand)."""
+    return jnp.concatenate(bfloat16_parts(x), axis=-1)
 
 
-def mask_dot(mask: jax.Array, x: jax.Array) -> jax.Array:
-    """`mask @ x` for a 0/1 (bool or float) `mask` [M, N] and float32 `x` [N, K], as accurate as a
-    float32 matmul in half its MXU passes.
+def mask_dot(masks: jax.Array, parts: jax.Array) -> jax.Array:
+    """`masks @ x` for every one of M operands, as accurate as a float32 matmul in half its passes.
 
-    The mask is exact in bfloat16 and `x` is the exact sum of its three bfloat16 parts, so every
-    product is exact and only the float32 accumulation rounds: three bfloat16 passes (one matmul
-    of the parts side by side) where a float32 matmul at full precision takes six.
+    Args:
+      masks: `[R, N]` 0/1 (or +-1) masks, exact in bfloat16, shared by the operands.
+      parts: `[M, N, 3K]`, the three bfloat16 parts of float32 operands x `[M, N, K]`
+        (`split_for_mask_dot`, so that several masks share one split).
+
+    Returns:
+      `[M, R, K]` float32. Every product of a mask entry and a part is exact, so only the float32
+      accumulation rounds: three bfloat16 passes (one matmul of the parts side by side) where a
+      float32 matmul at full precision takes six.
     """
-    return mask_dot_split(mask, split_for_mask_dot(x))
-
-
-def mask_dot_split(mask: jax.Array, parts: jax.Array) -> jax.Array:
-    """`mask_dot` of an operand already split by `split_for_mask_dot` ([N, 3K] bfloat16), so that
-    several masks share one split."""
-    k = parts.shape[1] // 3
-    sums = jax.lax.dot_general(mask.astype(jnp.bfloat16), parts, NN, preferred_element_type=jnp.float32)
-    return (sums[:, :k] + sums[:, k : 2 * k]) + sums[:, 2 * k :]
+    count = parts.shape[0]
+    keys = parts.shape[2] // 3
+    masks = jnp.broadcast_to(masks.astype(jnp.bfloat16)[None], (count, *masks.shape))
+    sums = jax.lax.dot_general(masks, parts, BATCHED_NN, preferred_element_type=jnp.float32)
+    return (sums[..., :keys] + sums[..., keys : 2 * keys]) + sums[..., 2 * keys :]
 
 
 def compiler_params(*semantics: str, vmem_limit_bytes: int | None = None) -> pltpu.CompilerParams:
@@ -156,6 +157,15 @@ def compiler_params(*semantics: str, vmem_limit_bytes: int | None = None) -> plt
 def nbytes(*arrays) -> int:
     """Total bytes of arrays or shape structs (None entries count zero)."""
     return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in arrays if a is not None)
+
+
+def block_bytes(specs, arrays) -> int:
+    """Bytes of one block of every array (BlockSpecs and arrays or shape structs, in order; squeezed
+    block dims count one)."""
+    return sum(
+        math.prod(1 if d is None else d for d in spec.block_shape) * jnp.dtype(x.dtype).itemsize
+        for spec, x in zip(specs, arrays, strict=True)
+    )
 
 
 def cost_estimate(flops: int, transcendentals: int, arrays) -> pl.CostEstimate:

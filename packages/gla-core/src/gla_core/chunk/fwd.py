@@ -14,11 +14,13 @@ also keep every chunk's intra-chunk scores `A[t, s] = sum_k q_tk k_sk e^{b_tk - 
 unscaled), in the MXU dtype they are multiplied in, so `chunk_bwd_dv` takes `A^T do` without
 forming the gated products again.
 
-Per-key gates take a grid step at a time (`_anchored_step_kernel`): every chunk of the step
-together, with the anchored products of `anchored.StepDecays` and the state chain reduced to
-elementwise updates; a step whose decays are out of the anchor range, or whose states come out
-non-finite (a non-finite k or v, which the unmasked products would carry into earlier rows), is
-recomputed chunk by chunk from its first state by `_fwd_kernel` (exact level products, masked).
+Per-key gates take a grid step at a time (`_step_kernel`, the math of `step_math`): every chunk
+of the step together, with the anchored products and the state chain reduced to elementwise
+updates. A step whose decays are out of the anchor range is recomputed with the exact level
+products (`products.LevelProducts`; every step when the anchor range is 0); one whose states come
+out non-finite (a non-finite v, which the unmasked products would carry into earlier rows) has its
+outputs formed again from the same products with the values masked. The chunk-by-chunk
+`_fwd_kernel` serves scalar gates.
 """
 
 from __future__ import annotations
@@ -29,11 +31,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from gla_core.chunk.anchored import StepDecays
-from gla_core.chunk.batched import causal_mask, chunk_rows, state_chain, store_chunk_rows, store_per_chunk
-from gla_core.chunk.common import BATCHED_NN, BATCHED_NT, BATCHED_TN, NT, TN, causal_dot, dot, mxu_dtype
-from gla_core.chunk.gates import make_gate
+from gla_core.chunk.batched import chunk_rows, store_chunk_rows, store_per_chunk
+from gla_core.chunk.common import NT, TN, causal_dot, dot, mxu_dtype
+from gla_core.chunk.gates import ScalarGate
 from gla_core.chunk.launch import carry_in, launch_output_pass, step_edges
 from gla_core.chunk.specs import ChunkSpecs
+from gla_core.chunk.step_math import ForwardStep, run_forward
 from gla_core.pallas_transforms import fold_vmap
 
 
@@ -42,30 +45,31 @@ def _fwd_kernel(
     last_ref,
     seq_ref,
     *refs,
-    gate_mode,
     has_h0,
     has_ht,
     has_scores,
+    has_states,
     scale,
     dtype,
     chunks_per_step,
     chunk_in_step,
 ):
-    q_ref, k_ref, v_ref, gate_ref = refs[:4]  # [C, K], [C, K], [C, Vt], [1, C] or [C, K]
+    q_ref, k_ref, v_ref, gate_ref = refs[:4]  # [C, K], [C, K], [C, Vt], [1, C]
     h0_ref = refs[4] if has_h0 else None  # [Vt, K]
-    has_table = gate_mode == "key"
-    table = refs[4 + has_h0 : 4 + has_h0 + has_table]  # the key mask table, if any
-    outs = refs[4 + has_h0 + has_table :]
+    outs = refs[4 + has_h0 :]
     o_ref = outs[0]  # [C, Vt]
     scores_ref = outs[1] if has_scores else None  # [C, C]
-    ht_ref = outs[1 + has_scores] if has_ht else None  # [Vt, K]
+    states_ref = outs[1 + has_scores] if has_states else None  # [Vt, K] the state before the chunk
+    ht_ref = outs[1 + has_scores + has_states] if has_ht else None  # [Vt, K]
     state_ref = refs[-1]  # VMEM scratch [Vt, K] float32
     t = pl.program_id(3) * chunks_per_step + chunk_in_step  # the chunk
     opens_step, closes_step = step_edges(chunk_in_step, chunks_per_step)
     if opens_step:
         carry_in(state_ref, t, first_ref[t] == 1, h0_ref)
     state = state_ref[...]
-    gate = make_gate(gate_mode, gate_ref[...], dtype, *table, products=True)
+    if has_states:
+        states_ref[...] = state
+    gate = ScalarGate(gate_ref[...], dtype)
     q, k, v = q_ref[...], k_ref[...], v_ref[...]
     inter = dot(q.astype(jnp.float32) * gate.from_start(), state, NT, dtype)  # [C, Vt]
     scores = gate.scores(q, k)  # [C, C]
@@ -84,7 +88,7 @@ def _fwd_kernel(
             ht_ref[...] = state
 
 
-def _anchored_step_kernel(
+def _step_kernel(
     first_ref,
     last_ref,
     seq_ref,
@@ -92,12 +96,12 @@ def _anchored_step_kernel(
     has_h0,
     has_ht,
     has_scores,
+    has_states,
     scale,
     dtype,
     chunk,
     chunks_per_step,
     anchor_range,
-    exact,
 ):
     q_ref, k_ref, v_ref, gate_ref = refs[:4]  # [n*C, K], [n*C, K], [n*C, Vt], [n*C, K] float32
     h0_ref = refs[4] if has_h0 else None  # [Vt, K]
@@ -105,37 +109,33 @@ def _anchored_step_kernel(
     outs = refs[5 + has_h0 :]
     o_ref = outs[0]  # [n*C, Vt]
     scores_ref = outs[1] if has_scores else None  # [n, C, C] ([C, C] for n = 1)
-    ht_ref = outs[1 + has_scores] if has_ht else None  # [Vt, K]
-    state_ref, start_ref = refs[-2:]  # VMEM scratch [Vt, K] float32: the carried state, the step's first
-    n, c = chunks_per_step, chunk
+    states_ref = outs[1 + has_scores] if has_states else None  # [n, Vt, K] ([Vt, K] for n = 1)
+    ht_ref = outs[1 + has_scores + has_states] if has_ht else None  # [Vt, K]
+    state_ref = refs[-1]  # VMEM scratch [Vt, K] float32: the carried state
+    n = chunks_per_step
     first_chunk = pl.program_id(3) * n
     carry_in(state_ref, first_chunk, first_ref[first_chunk] == 1, h0_ref)
-    start = state_ref[...]
-    start_ref[...] = start
-    decays = StepDecays(gate_ref[...], table_ref, c, anchor_range)
+    start = state_ref[...][None]  # [1, Vt, K]: one group of n chunks
+    a = gate_ref[...]
     q, k = chunk_rows(q_ref, n, jnp.float32), chunk_rows(k_ref, n, jnp.float32)  # [n, C, K]
     v = chunk_rows(v_ref, n)  # [n, C, Vt]
-    scores = dot(q * decays.row_factor, k * decays.column_factor, BATCHED_NT, dtype)  # [n, C, C]
-    scores = jnp.where(causal_mask(n, c), scores, 0.0)
-    if has_scores:
-        store_per_chunk(scores_ref, scores)
-    intra = dot(scores, v, BATCHED_NN, dtype)  # [n, C, Vt]
-    updates = dot(v, k * decays.to_end, BATCHED_TN, dtype)  # [n, Vt, K]
-    states, state = state_chain(start, decays.last_decay, updates)
-    state_ref[...] = state
-    inter = dot(q * decays.from_start, states, BATCHED_NT, dtype)  # [n, C, Vt]
-    store_chunk_rows(o_ref, scale * (inter + intra))
+    decays = StepDecays(a, table_ref, chunk, anchor_range if anchor_range > 0 else None)
 
-    if has_ht:
+    def write(step: ForwardStep, o):
+        store_chunk_rows(o_ref, o)
+        if has_scores:
+            store_per_chunk(scores_ref, step.scores)
+        if has_states:
+            store_per_chunk(states_ref, step.states)
+        state_ref[...] = step.end[0]
 
-        @pl.when(last_ref[first_chunk + n - 1] == 1)
-        def _final():
-            ht_ref[...] = state
+        if has_ht:
 
-    @pl.when(jnp.logical_not(decays.in_range & jnp.isfinite(jnp.sum(state))))
-    def _exact():
-        state_ref[...] = start_ref[...]
-        exact(first_ref, last_ref, seq_ref, *refs[:-1])
+            @pl.when(last_ref[first_chunk + n - 1] == 1)
+            def _final():
+                ht_ref[...] = step.end[0]
+
+    run_forward(decays, a, table_ref, q, k, v, start, write, scale=scale, dtype=dtype, chunk=chunk)
 
 
 def chunk_fwd(
@@ -151,9 +151,11 @@ def chunk_fwd(
     output_final_state: bool,
     interpret: bool,
     keep_scores: bool = False,
+    keep_states: bool = False,
     anchor_range: float = 0.0,
 ):
-    """Outputs of every chunk, the final states and (for the backward) the intra-chunk scores.
+    """Outputs of every chunk, the final states and (for the backward) the intra-chunk scores and
+    the states before every chunk.
 
     Args:
       q, k: [B, H, Tp, K] (Tp = NT * C, K a multiple of 128); v: [B, H, Tp, V].
@@ -164,13 +166,15 @@ def chunk_fwd(
         for fixed-length inputs: one per-sequence state per batch row).
       output_final_state: also return the final states.
       keep_scores: also return every chunk's intra-chunk scores, for `chunk_bwd_dv`.
+      keep_states: also return the state before every chunk, for `bwd.chunk_bwd`.
       anchor_range: for a per-key gate, the largest |D| of the anchored products
         (`anchored.StepDecays`); 0 takes the exact level products everywhere.
 
     Returns:
       (o [B, H, Tp, V] in v's dtype, ht [N, H, V, K] float32 or None, scores
-      [B, H, NF, NT, C, C] in the MXU dtype of q (one copy per V tile) or None). Under `jax.vmap`
-      the mapped axis folds into B and N (`gla_core.pallas_transforms.fold_vmap`).
+      [B, H, NF, NT, C, C] in the MXU dtype of q (one copy per V tile) or None, states
+      [B, H, NT, V, K] float32 or None). Under `jax.vmap` the mapped axis folds into B and N
+      (`gla_core.pallas_transforms.fold_vmap`).
     """
     launch = functools.partial(
         _launch,
@@ -178,6 +182,7 @@ def chunk_fwd(
         scale=scale,
         output_final_state=output_final_state,
         keep_scores=keep_scores,
+        keep_states=keep_states,
         anchor_range=anchor_range,
         interpret=interpret,
     )
@@ -186,20 +191,43 @@ def chunk_fwd(
 
 
 def _launch(
-    q, k, v, gate, h0, first, last, sequence, *, specs, scale, output_final_state, keep_scores, anchor_range, interpret
+    q,
+    k,
+    v,
+    gate,
+    h0,
+    first,
+    last,
+    sequence,
+    *,
+    specs,
+    scale,
+    output_final_state,
+    keep_scores,
+    keep_states,
+    anchor_range,
+    interpret,
 ):
     dtype = mxu_dtype(q.dtype)
-    flags = dict(has_h0=h0 is not None, has_ht=output_final_state, has_scores=keep_scores, scale=scale, dtype=dtype)
-    kernel = functools.partial(_fwd_kernel, gate_mode=specs.gate_mode, chunks_per_step=specs.chunks_per_step, **flags)
-    step_kernel = None
-    if specs.gate_mode == "key" and anchor_range > 0:
-        step_kernel = functools.partial(
-            _anchored_step_kernel,
+    flags = dict(
+        has_h0=h0 is not None,
+        has_ht=output_final_state,
+        has_scores=keep_scores,
+        has_states=keep_states,
+        scale=scale,
+        dtype=dtype,
+    )
+    per_step = specs.gate_mode == "key"
+    if per_step:
+        kernel = functools.partial(
+            _step_kernel,
             chunk=specs.chunk,
             chunks_per_step=specs.chunks_per_step,
             anchor_range=anchor_range,
             **flags,
         )
+    else:
+        kernel = functools.partial(_fwd_kernel, chunks_per_step=specs.chunks_per_step, **flags)
     args = (q, k, v, gate, h0, first, last, sequence)
     return launch_output_pass(
         "chunk_fwd",
@@ -208,6 +236,7 @@ def _launch(
         specs=specs,
         state_out=output_final_state,
         scores_dtype=dtype if keep_scores else None,
-        step_kernel=step_kernel,
+        keep_states=keep_states,
+        anchored=per_step and anchor_range > 0,
         interpret=interpret,
     )

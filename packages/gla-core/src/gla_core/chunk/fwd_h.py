@@ -20,20 +20,16 @@ from jax.experimental import pallas as pl
 from gla_core.chunk.anchored import StepDecays
 from gla_core.chunk.batched import chunk_rows, state_chain, store_per_chunk
 from gla_core.chunk.common import BATCHED_TN, TN, dot, mxu_dtype
-from gla_core.chunk.gates import make_gate
+from gla_core.chunk.gates import ScalarGate
 from gla_core.chunk.launch import carry_in, launch_state_pass, step_edges
 from gla_core.chunk.specs import ChunkSpecs
 from gla_core.pallas_transforms import fold_vmap
 
 
-def _fwd_h_kernel(
-    first_ref, last_ref, seq_ref, *refs, gate_mode, has_h0, has_ht, dtype, chunks_per_step, chunk_in_step
-):
-    k_ref, v_ref, gate_ref = refs[:3]  # [C, K], [C, Vt], [1, C] or [C, K]
+def _fwd_h_kernel(first_ref, last_ref, seq_ref, *refs, has_h0, has_ht, dtype, chunks_per_step, chunk_in_step):
+    k_ref, v_ref, gate_ref = refs[:3]  # [C, K], [C, Vt], [1, C]
     h0_ref = refs[3] if has_h0 else None  # [Vt, K]
-    has_table = gate_mode == "key"
-    table = refs[3 + has_h0 : 3 + has_h0 + has_table]  # the key mask table, if any
-    outs = refs[3 + has_h0 + has_table :]
+    outs = refs[3 + has_h0 :]
     h_ref = outs[0]  # [Vt, K] state before this chunk
     ht_ref = outs[1] if has_ht else None  # [Vt, K]
     state_ref = outs[-1]  # VMEM scratch [Vt, K] float32
@@ -43,7 +39,7 @@ def _fwd_h_kernel(
         carry_in(state_ref, t, first_ref[t] == 1, h0_ref)
     state = state_ref[...]
     h_ref[...] = state
-    gate = make_gate(gate_mode, gate_ref[...], dtype, *table, products=False)
+    gate = ScalarGate(gate_ref[...], dtype)
     k_decayed = k_ref[...].astype(jnp.float32) * gate.to_end()  # [C, K]
     state = state * gate.last_decay() + dot(v_ref[...], k_decayed, TN, dtype)
     state_ref[...] = state
@@ -69,7 +65,8 @@ def _fwd_h_step_kernel(first_ref, last_ref, seq_ref, *refs, has_h0, has_ht, dtyp
     decays = StepDecays(gate_ref[...], table_ref, chunk)
     k = chunk_rows(k_ref, n, jnp.float32)  # [n, C, K]
     updates = dot(chunk_rows(v_ref, n), k * decays.to_end, BATCHED_TN, dtype)  # [n, Vt, K]
-    states, state = state_chain(state_ref[...], decays.last_decay, updates)
+    states, state = state_chain(state_ref[...][None], decays.last_decay, updates)  # one group
+    state = state[0]
     store_per_chunk(h_ref, states)
     state_ref[...] = state
 
@@ -110,9 +107,7 @@ def _launch(k, v, gate, h0, first, last, sequence, *, specs: ChunkSpecs, output_
             _fwd_h_step_kernel, chunk=specs.chunk, chunks_per_step=specs.chunks_per_step, **flags
         )
     else:
-        kernel = functools.partial(
-            _fwd_h_kernel, gate_mode=specs.gate_mode, chunks_per_step=specs.chunks_per_step, **flags
-        )
+        kernel = functools.partial(_fwd_h_kernel, chunks_per_step=specs.chunks_per_step, **flags)
     state_args = (k, v, gate, h0, first, last, sequence)
     return launch_state_pass(
         "chunk_fwd_h",
@@ -120,6 +115,5 @@ def _launch(k, v, gate, h0, first, last, sequence, *, specs: ChunkSpecs, output_
         *state_args,
         specs=specs,
         state_out=output_final_state,
-        per_step=per_step,
         interpret=interpret,
     )

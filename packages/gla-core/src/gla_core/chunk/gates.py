@@ -22,12 +22,9 @@ and the intra-chunk products over pairs t >= s:
                     right_s = sum_{t>s} w_ts x_t e^{b_t - b_s}         [C, K]
 
 `ScalarGate` (one decay per step, simple_gla) builds the [C, C] segment-sum matrix and
-masks it before `exp`. `KeyGate` (a decay per key, gla) cannot build [C, C, K], so it splits
-the pairs t > s by the highest bit where t and s differ: at level l both lie in one block
-of 2^(l+1) steps, t in its upper half and s in its lower half, and with r the last step of
-the lower half `e^{b_t - b_s} = e^{b_t - b_r} e^{b_r - b_s}`, both factors <= 0 and both
-exponents segment sums. Every row lies in one half at each level, so a level takes one
-segment-sum matmul and one `exp` for the factors of all rows, and one masked MXU matmul per product.
+masks it before `exp`. A decay per key (gla) cannot build [C, C, K]: its kernels take all
+chunks of a grid step at once, with the decays of `anchored.StepDecays` and the products of
+`products` (anchored, or exact by levels), from the constant masks of `KeyMaskTable` here.
 
 Hard resets (a log decay of -inf, decay exactly 0) reach the kernels floored at `GATE_FLOOR`
 (`floor_gates`), see there. Products whose factors are masked to zero use `jnp.where`, never a
@@ -50,10 +47,7 @@ from gla_core.chunk.common import (
     chunk_iota,
     column_to_row,
     dot,
-    mask_dot,
-    mask_dot_split,
     row_to_column,
-    split_for_mask_dot,
 )
 
 F32 = jnp.float32
@@ -263,95 +257,6 @@ class KeyMaskTable:
         return pl.BlockSpec(self.shape, lambda *indices: (0, 0))
 
 
-class KeyGate:
-    """Per-key per-step log decays of one chunk, `a` `[C, K]` (float32), with the ref of the
-    chunk's `KeyMaskTable`.
-
-    Quantities are computed when first used, so a kernel traces only what it needs. A kernel that
-    takes gated products (`scores`, `left_right_strict`) says so with `products`: then the decays
-    from the start, to the end and of every level come from one matmul and one `exp`.
-    """
-
-    def __init__(self, a: jax.Array, dtype, table_ref, products: bool):
-        self.table = KeyMaskTable(a.shape[0])
-        if tuple(table_ref.shape) != self.table.shape:
-            raise ValueError(f"table_ref: expected the mask table {self.table.shape}, got {tuple(table_ref.shape)}")
-        self.dtype = dtype
-        self.chunk = a.shape[0]
-        self.a = a
-        self.table_ref = table_ref
-        self.products = products
-
-    def _masks(self, block: int, count: int = 1) -> jax.Array:
-        """Blocks `block .. block + count - 1` of the table, `[count * C, C]` bfloat16."""
-        return self.table_ref[pl.ds(block * self.chunk, count * self.chunk), :]
-
-    @functools.cached_property
-    def split(self) -> jax.Array:
-        """The gate as `mask_dot_split` takes it: its three bfloat16 parts side by side, [C, 3K]."""
-        return split_for_mask_dot(self.a)
-
-    @functools.cached_property
-    def _all_decays(self) -> jax.Array:
-        """e^{segment sum} of blocks THROUGH .. SEGMENT + L - 1, [(2 + L) C, K] (every exponent <= 0)."""
-        count = KeyMaskTable.SEGMENT - KeyMaskTable.THROUGH + self.table.levels
-        return jnp.exp(mask_dot_split(self._masks(KeyMaskTable.THROUGH, count), self.split))
-
-    def _decays(self, block: int) -> jax.Array:
-        """e^{segment sum} of one block of the table, [C, K]."""
-        if self.products:
-            first = (block - KeyMaskTable.THROUGH) * self.chunk
-            return self._all_decays[first : first + self.chunk]
-        return jnp.exp(mask_dot_split(self._masks(block), self.split))
-
-    def from_start(self) -> jax.Array:
-        return self._decays(KeyMaskTable.THROUGH)  # e^{b_t}, [C, K]
-
-    def to_end(self) -> jax.Array:
-        return self._decays(KeyMaskTable.AFTER)  # e^{b_L - b_t}, [C, K]
-
-    def last_decay(self) -> jax.Array:
-        return jnp.exp(jnp.sum(self.a, axis=0, keepdims=True))  # [1, K]
-
-    def _levels(self):
-        """Per level: (factor [C, K], pair mask [C, C] bool). The factor is e^{b_t - b_r} on the
-        rows t in the upper half of their block and e^{b_r - b_s} on the rows s in the lower half
-        (every exponent <= 0); the pair mask selects (upper t, lower s) of one block, so no row's
-        factor meets a column of its own half. The segment sums of all levels are one matmul."""
-        if not self.products:
-            raise ValueError("products: a KeyGate built without products does not take gated products")
-        for level in range(self.table.levels):
-            pair = self._masks(self.table.pair + level) > 0
-            yield self._decays(KeyMaskTable.SEGMENT + level), pair
-
-    def scores(self, x: jax.Array, y: jax.Array) -> jax.Array:
-        x = x.astype(F32)
-        y = y.astype(F32)
-        rows, cols = chunk_iota(self.chunk)
-        diagonal = jnp.sum(x * y, axis=1, keepdims=True)  # [C, 1]
-        out = jnp.where(rows == cols, diagonal, 0.0)
-        for factor, pair in self._levels():
-            out = out + jnp.where(pair, dot(x * factor, y * factor, NT, self.dtype), 0.0)
-        return out
-
-    def left_right_strict(self, w: jax.Array, y: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        x = x.astype(F32)
-        y = y.astype(F32)
-        left = jnp.zeros(y.shape, F32)
-        right = jnp.zeros(x.shape, F32)
-        for factor, pair in self._levels():
-            w_level = jnp.where(pair, w, 0.0)  # rows: upper halves only; columns: lower halves only
-            left = left + factor * dot(w_level, y * factor, NN, self.dtype)
-            right = right + factor * dot(w_level, x * factor, TN, self.dtype)
-        return left, right
-
-    def gate_grad(self, after: jax.Array, before: jax.Array, total: jax.Array) -> jax.Array:
-        """d loss / d a `[C, K]`: `sum_{t>=u} after_t + sum_{s<u} before_s + total` (triangular matmuls)."""
-        from_u_on = mask_dot(self._masks(self.table.from_u_on), after)
-        before_u = mask_dot(self._masks(self.table.before_u), before)
-        return jnp.where(self.a <= GATE_FLOOR, 0.0, from_u_on + before_u + total)
-
-
 def intra_costs(mode: str, chunk: int, keys: int, products: int, anchored: bool = False) -> tuple[int, int]:
     """(flops, transcendentals) of one chunk's gate with `products` gated [C, C] x [C, K] products;
     `anchored`: a per-key gate's products are anchored (`anchored.StepDecays`), not level products."""
@@ -372,10 +277,3 @@ def mask_table_inputs(mode: str, chunk: int) -> tuple[list[jax.Array], list[pl.B
         return [], []
     table = KeyMaskTable(chunk)
     return [table.build()], [table.block_spec()]
-
-
-def make_gate(mode: str, block: jax.Array, dtype, table_ref=None, *, products: bool) -> ScalarGate | KeyGate:
-    """The gate of one chunk from its loaded block: "scalar" `[1, C]` or "key" `[C, K]` (with the
-    ref of its `KeyMaskTable`); `products`: the kernel takes gated products (`scores`,
-    `left_right_strict`)."""
-    return ScalarGate(block, dtype) if mode == "scalar" else KeyGate(block, dtype, table_ref, products)

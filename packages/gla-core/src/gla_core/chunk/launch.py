@@ -94,13 +94,13 @@ def launch_state_pass(
     *,
     specs: ChunkSpecs,
     state_out: bool,
-    per_step: bool = False,
     interpret: bool,
 ) -> tuple[jax.Array, jax.Array | None]:
-    """Runs `kernel(first, last, sequence, row, column, gate, [state_in], [table], per_chunk, [state_out], scratch,
-    chunk_in_step=)` for every chunk in walking order (`table`: the `KeyMaskTable` of a per-key gate;
-    several chunks per grid step, see `for_each_chunk`); with `per_step`, `kernel` (without
-    `chunk_in_step`) once per grid step for all its chunks.
+    """Runs a scalar gate's `kernel(first, last, sequence, row, column, gate, [state_in], per_chunk,
+    [state_out], scratch, chunk_in_step=)` for every chunk in walking order (several chunks per grid
+    step, see `for_each_chunk`); a per-key gate's `kernel(first, last, sequence, row, column, gate,
+    [state_in], table, per_chunk, [state_out], scratch)` once per grid step for all its chunks
+    (`table`: its `KeyMaskTable`).
 
     Returns (per-chunk states [B, H, NT, V, K] float32, per-sequence states [N, H, V, K] float32
     or None unless `state_out`).
@@ -111,14 +111,11 @@ def launch_state_pass(
     per_chunk = jax.ShapeDtypeStruct((b, h, nt, vdim, kdim), jnp.float32)
     gate_flops, gate_transcendentals = intra_costs(specs.gate_mode, specs.chunk, kdim, products=0)
     flops = b * h * nv * nt * gate_flops + 2 * b * h * tp * kdim * vdim + 3 * b * h * nt * kdim * vdim
-    has_table = specs.gate_mode == "key"
-    # first, last, sequence; row, column, gate, [state_in], [table]; per_chunk, [state_out]; the carried state
-    kinds = (
-        "sss" + "rr" + specs.gate_kind + "s" * (state_in is not None) + "s" * has_table + "c" + "s" * state_out + "s"
-    )
-    (states,), state = _sequential_call(
+    # first, last, sequence; row, column, gate, [state_in]; per_chunk, [state_out]; the carried state
+    kinds = "sss" + "rrc" + "s" * (state_in is not None) + "c" + "s" * state_out + "s"
+    (states,), state = sequential_call(
         name,
-        kernel if per_step else for_each_chunk(kernel, specs, kinds, pass_chunk=True),
+        kernel if specs.gate_mode == "key" else for_each_chunk(kernel, specs, kinds, pass_chunk=True),
         [row, column, gate],
         [specs.key(), specs.value(), specs.gate()],
         state_in,
@@ -148,37 +145,38 @@ def launch_output_pass(
     specs: ChunkSpecs,
     state_out: bool,
     scores_dtype=None,
-    step_kernel=None,
+    keep_states: bool = False,
+    anchored: bool = False,
     interpret: bool,
-) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
-    """Runs `kernel(first, last, sequence, q, k, v, gate, [state_in], [table], o, [scores], [state_out],
-    scratch, chunk_in_step=)` for every chunk in order: the forward pass that carries the state along
-    time and writes the outputs of every chunk (several chunks per grid step, see `for_each_chunk`)
-    and, given `scores_dtype`, every chunk's intra-chunk scores.
-
-    `step_kernel`: instead, run `step_kernel(*the same refs, start, exact=)` once per grid step, with
-    `start` a second `[Vt, K]` float32 VMEM scratch and `exact(*the same refs)` running `kernel` for
-    every chunk of the step (a step kernel with a fast path and an exact recompute).
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None, jax.Array | None]:
+    """Runs a scalar gate's `kernel(first, last, sequence, q, k, v, gate, [state_in], o, [scores],
+    [states], [state_out], scratch, chunk_in_step=)` for every chunk in order (several chunks per
+    grid step, see `for_each_chunk`), a per-key gate's `kernel(..., gate, [state_in], table, o, ...)`
+    once per grid step: the forward pass that carries the state along time and writes the outputs
+    of every chunk, given `scores_dtype` every chunk's intra-chunk scores, and with `keep_states`
+    the state before every chunk. `anchored`: the kernel takes anchored products (cost estimate).
 
     Returns (o [B, H, Tp, V] in v's dtype, per-sequence states [N, H, V, K] float32 or None unless
-    `state_out`, scores [B, H, NF, NT, C, C] in `scores_dtype` (one copy per V tile) or None).
+    `state_out`, scores [B, H, NF, NT, C, C] in `scores_dtype` (one copy per V tile) or None,
+    states before every chunk [B, H, NT, V, K] float32 or None).
     """
     b, hh, _, kdim = q.shape
     nv, nt, c = specs.num_tiles, specs.num_chunks, specs.chunk
-    gate_flops, transcendentals = intra_costs(specs.gate_mode, c, kdim, products=1, anchored=step_kernel is not None)
-    has_table = specs.gate_mode == "key"
+    gate_flops, transcendentals = intra_costs(specs.gate_mode, c, kdim, products=1, anchored=anchored)
     has_scores = scores_dtype is not None
-    # first, last, sequence; q, k, v, gate, [state_in], [table]; o, [scores], [state_out]; the carried state
-    kinds = "sss" + "rrr" + specs.gate_kind + "s" * (state_in is not None) + "s" * has_table + "r" + "c" * has_scores
-    kernel = for_each_chunk(kernel, specs, kinds + "s" * state_out + "s", pass_chunk=True)
-    if step_kernel is not None:
-        kernel = functools.partial(step_kernel, exact=kernel)
+    if specs.gate_mode != "key":
+        # first, last, sequence; q, k, v, gate, [state_in]; o, [scores], [states], [state_out]; the carried state
+        kinds = "sss" + "rrrc" + "s" * (state_in is not None) + "r"
+        kinds += "c" * has_scores + "c" * keep_states + "s" * state_out + "s"
+        kernel = for_each_chunk(kernel, specs, kinds, pass_chunk=True)
     per_chunk = 4 * c * kdim * specs.block_v + 2 * c * c * specs.block_v + 3 * kdim * specs.block_v
     outputs = [(jax.ShapeDtypeStruct(v.shape, v.dtype), specs.value())]
     if has_scores:
         scores = jax.ShapeDtypeStruct((b, hh, nv, nt, c, c), scores_dtype)
         outputs.append((scores, specs.chunk_scores()))
-    per_chunk_outputs, state = _sequential_call(
+    if keep_states:
+        outputs.append((jax.ShapeDtypeStruct((b, hh, nt, v.shape[-1], kdim), jnp.float32), specs.chunk_state()))
+    per_chunk_outputs, state = sequential_call(
         name,
         kernel,
         [q, k, v, gate],
@@ -190,13 +188,13 @@ def launch_output_pass(
         state_out=state_out,
         flops=b * hh * nv * nt * (gate_flops + per_chunk),
         transcendentals=b * hh * nv * nt * transcendentals,
-        extra_states=step_kernel is not None,
         interpret=interpret,
     )
-    return per_chunk_outputs[0], state, (per_chunk_outputs[1] if has_scores else None)
+    scores = per_chunk_outputs[1] if has_scores else None
+    return per_chunk_outputs[0], state, scores, (per_chunk_outputs[-1] if keep_states else None)
 
 
-def _sequential_call(
+def sequential_call(
     name: str,
     kernel,
     inputs: list,
@@ -209,12 +207,11 @@ def _sequential_call(
     state_out: bool,
     flops: int,
     transcendentals: int,
-    extra_states: int = 0,
     interpret: bool,
 ) -> tuple[list[jax.Array], jax.Array | None]:
     """A `pallas_call` walking time in order ("arbitrary") with a `[Vt, K]` float32 state in VMEM
-    scratch (and `extra_states` more such scratch states after it), the per-chunk metadata
-    scalar-prefetched, an optional per-sequence state in and out and the gate's mask table.
+    scratch, the per-chunk metadata scalar-prefetched, an optional per-sequence state in and out
+    and the gate's mask table.
     `outputs`: (shape, block) of the outputs written chunk by chunk.
     Returns (those outputs, the per-sequence states or None)."""
     kdim = inputs[0].shape[-1]
@@ -241,7 +238,7 @@ def _sequential_call(
                 grid=specs.grid(*inputs[0].shape[:2]),
                 in_specs=in_specs,
                 out_specs=out_specs,
-                scratch_shapes=[pltpu.VMEM((specs.block_v, kdim), jnp.float32)] * (1 + extra_states),
+                scratch_shapes=[pltpu.VMEM((specs.block_v, kdim), jnp.float32)],
             ),
             compiler_params=compiler_params("parallel", "parallel", "parallel", "arbitrary"),
             interpret=interpret_params(interpret),
@@ -262,12 +259,11 @@ def launch_value_pass(
     *,
     specs: ChunkSpecs,
     out_dtype,
-    per_step: bool = False,
     interpret: bool,
 ) -> jax.Array:
-    """Runs `kernel(k, value, gate, states, scores, [table], out)` for every chunk, over (B, H, V
-    tiles, time blocks) all parallel (`table`: the `KeyMaskTable` of a per-key gate; `for_each_chunk`);
-    with `per_step`, once per grid step for all its chunks.
+    """Runs a scalar gate's `kernel(k, value, gate, states, scores, out)` for every chunk
+    (`for_each_chunk`), a per-key gate's `kernel(k, value, gate, states, scores, table, out)` once per
+    grid step (`table`: its `KeyMaskTable`), over (B, H, V tiles, time blocks) all parallel.
 
     k [B, H, Tp, K]; value [B, H, Tp, V]; states [B, H, NT, V, K] float32 (one per chunk);
     scores [B, H, NF, NT, C, C] (the forward's, one copy per V tile). Returns [B, H, Tp, V] in `out_dtype`.
@@ -282,9 +278,7 @@ def launch_value_pass(
     table, table_spec = mask_table_inputs(specs.gate_mode, c)
     with jax.named_scope(name):
         return pl.pallas_call(
-            kernel
-            if per_step
-            else for_each_chunk(kernel, specs, "rr" + specs.gate_kind + "cc" + "s" * len(table) + "r"),
+            kernel if specs.gate_mode == "key" else for_each_chunk(kernel, specs, "rrccc" + "r"),
             out_shape=out_shape,
             grid=specs.grid(b, hh),
             in_specs=[specs.key(), specs.value(), specs.gate(), specs.chunk_state(), specs.chunk_scores(), *table_spec],

@@ -1,10 +1,15 @@
 """The chunked gated-linear-attention op on the Pallas TPU chunk kernels, with its backward.
 
+A call of fixed length whose sizes fit takes `token_pipeline` instead: the per-key math (a scalar
+gate broadcast over the keys) on the op's own token-major arrays, no re-layout. Otherwise:
+
 Forward:  prepare -> chunk_fwd (states in VMEM, outputs and final states; under differentiation
-          also the intra-chunk scores) -> back to [B, T, H, V].
-Backward: prepare do -> chunk_fwd_h (recomputed, states are not kept) -> chunk_bwd_dh ->
-          chunk_bwd_dv (from the kept scores) and chunk_bwd_dqkg -> back to the op's layout
-          (g_gamma: summed over B, T).
+          also the intra-chunk scores, and for the fused backward the state before every chunk)
+          -> back to [B, T, H, V].
+Backward: prepare do -> a per-key gate with all of K and V in one block: chunk_bwd (one kernel
+          walking time backwards, from the kept states and scores); otherwise chunk_fwd_h
+          (recomputed states) -> chunk_bwd_dh -> chunk_bwd_dv (from the kept scores) and
+          chunk_bwd_dqkg -> back to the op's layout (g_gamma: summed over B, T).
 
 One `jax.custom_vjp` covers the whole op, so the re-layouts (padding, varlen gathers,
 transposes) are differentiated by hand: every token has exactly one slot in the kernel
@@ -25,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from gla_core import varlen
-from gla_core.chunk import prepare
+from gla_core.chunk import bwd, prepare, token_pipeline
 from gla_core.chunk.anchored import default_anchor_range
 from gla_core.chunk.bwd_dh import chunk_bwd_dh
 from gla_core.chunk.bwd_dqkg import chunk_bwd_dqkg
@@ -34,6 +39,7 @@ from gla_core.chunk.common import DEFAULT_BLOCK_SIZES, BlockSizes, mxu_dtype
 from gla_core.chunk.empty import empty_attention, has_no_tokens
 from gla_core.chunk.fwd import chunk_fwd
 from gla_core.chunk.fwd_h import chunk_fwd_h
+from gla_core.chunk.heads import TokenGeometry
 from gla_core.chunk.specs import ChunkSpecs
 from gla_core.ops import CHUNK_SIZES
 from gla_core.pallas_transforms import first_order_only
@@ -54,8 +60,12 @@ class ChunkConfig:
       block_sizes: kernel tile sizes.
       dtypes: dtype name of every given array argument by its op keyword ("q", "k", "v",
         "g", "g_gamma", "gk", "initial_state"), so gradients come back in the input dtypes.
-      anchor_range: for a per-key gate, the largest in-chunk exponent of the anchored products
-        (`anchored.StepDecays`); 0 takes the exact level products everywhere.
+      anchor_range: the largest in-chunk exponent of the anchored products of a per-key gate
+        (`anchored.StepDecays`; on the token-major kernels also of a scalar gate); 0 takes the
+        exact level products everywhere.
+      head_major_only: take the head-major kernels even when the token-major ones fit (set by the
+        VJP when the gate gradient needs float32 products, which the token-major backward cannot
+        hold in VMEM for all heads at once).
     """
 
     geometry: prepare.Geometry
@@ -65,6 +75,7 @@ class ChunkConfig:
     block_sizes: BlockSizes
     dtypes: tuple[tuple[str, str], ...]
     anchor_range: float = 0.0
+    head_major_only: bool = False
 
     @classmethod
     def create(
@@ -139,6 +150,21 @@ class ChunkConfig:
         """Specs of the dv kernel: V tiled, all of K, several chunks per grid step."""
         return self.specs().with_chunks_per_step(self.block_sizes.block_chunks)
 
+    @property
+    def token_major(self) -> bool:
+        """Whether the call takes the kernels on the op's own token-major arrays (`token_pipeline`):
+        fixed length and sizes that fit (`heads.TokenGeometry.fits`)."""
+        geo = self.geometry
+        if geo.varlen or self.head_major_only:
+            return False
+        return TokenGeometry.fits(geo.seq_len, geo.num_heads, geo.key_dim, geo.value_dim, geo.chunk, self.compute_dtype)
+
+    @property
+    def fused_backward(self) -> bool:
+        """Whether the backward is one kernel (`bwd.chunk_bwd`: a per-key gate with all of K and V in
+        one block) rather than the split kernels, so the forward keeps the state before every chunk."""
+        return bwd.fits(self.specs())
+
     def dqkg_specs(self) -> ChunkSpecs:
         """Specs of the dq/dk/dgate kernel: K tiled, all of V, several chunks per grid step."""
         specs = self.specs().key_tiled(self.block_sizes.key_tile(self.geometry.padded_key_dim))
@@ -153,7 +179,9 @@ class KernelInputs:
     q, k: [B, H, Tp, Kp]; v: [B, H, Tp, Vp] (compute dtype); gate: per-step log decays
     [B, H, NT, 1, C] or [B, H, Tp, Kp] (float32); h0: [N, H, Vp, Kp] float32 or None;
     meta: per-chunk metadata; layout: the varlen chunk layout or None;
-    scores: the forward's intra-chunk scores [B, H, NF, NT, C, C] (residual of the VJP) or None.
+    scores: the forward's intra-chunk scores [B, H, NF, NT, C, C] (residual of the VJP) or None;
+    states: the state before every chunk [B, H, NT, Vp, Kp] float32 (residual of the VJP for the
+    fused backward) or None.
     """
 
     q: jax.Array
@@ -164,6 +192,7 @@ class KernelInputs:
     meta: prepare.ChunkMeta
     layout: varlen.ChunkLayout | None
     scores: jax.Array | None = None
+    states: jax.Array | None = None
     # Whether the backward multiplies in float32 for the gate gradient (`gate_grad_in_float32`).
     float32_gate_grad: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
@@ -190,10 +219,12 @@ def kernel_inputs(config: ChunkConfig, q, k, v, g, g_gamma, gk, initial_state, c
     )
 
 
-def _forward(config: ChunkConfig, q, k, v, g, g_gamma, gk, initial_state, cu_seqlens, keep_scores=False):
+def _forward(config: ChunkConfig, q, k, v, g, g_gamma, gk, initial_state, cu_seqlens, for_backward=False):
+    if config.token_major:
+        return token_pipeline.forward(config, q, k, v, g, g_gamma, gk, initial_state, for_backward=for_backward)
     geo, specs = config.geometry, config.sequential_specs()
     x = kernel_inputs(config, q, k, v, g, g_gamma, gk, initial_state, cu_seqlens)
-    o, ht, scores = chunk_fwd(
+    o, ht, scores, states = chunk_fwd(
         x.q,
         x.k,
         x.v,
@@ -204,10 +235,11 @@ def _forward(config: ChunkConfig, q, k, v, g, g_gamma, gk, initial_state, cu_seq
         scale=config.scale,
         output_final_state=config.output_final_state,
         interpret=config.interpret,
-        keep_scores=keep_scores,
+        keep_scores=for_backward,
+        keep_states=for_backward and config.fused_backward,
         anchor_range=config.anchor_range,
     )
-    x = dataclasses.replace(x, scores=scores)
+    x = dataclasses.replace(x, scores=scores, states=states)
     o = prepare.from_kernel(o, geo, x.layout, geo.value_dim, v.dtype)
     if ht is not None:
         ht = prepare.state_out(ht, geo)
@@ -217,20 +249,41 @@ def _forward(config: ChunkConfig, q, k, v, g, g_gamma, gk, initial_state, cu_seq
     return (o, ht), x
 
 
-def _forward_keeping_scores(config: ChunkConfig, *arrays):
-    """`_forward` for the VJP: the residuals also hold the intra-chunk scores for `chunk_bwd_dv`."""
-    return _forward(config, *arrays, keep_scores=True)
+def _forward_for_backward(config: ChunkConfig, *arrays):
+    """`_forward` for the VJP: the residuals also hold the intra-chunk scores (for `chunk_bwd_dv` or
+    `chunk_bwd`) and, for the fused backward, the state before every chunk."""
+    return _forward(config, *arrays, for_backward=True)
 
 
-def _backward(config: ChunkConfig, x: KernelInputs, cotangents):
-    qk, kk, vk, gate, h0, meta, layout = x.q, x.k, x.v, x.gate, x.h0, x.meta, x.layout
+def _backward(config: ChunkConfig, x, cotangents):
     do, dht = cotangents
+    has_dht = config.output_final_state and dht is not None
+    if isinstance(x, token_pipeline.TokenResiduals):
+        return (*token_pipeline.backward(config, x, do, dht if has_dht else None), None)
+    qk, kk, vk, gate, h0, meta, layout = x.q, x.k, x.v, x.gate, x.h0, x.meta, x.layout
     geo, specs = config.geometry, config.sequential_specs()
     interpret, scale = config.interpret, config.scale
-    h, _ = chunk_fwd_h(kk, vk, gate, h0, meta, specs=specs, output_final_state=False, interpret=interpret)
     dok = prepare.to_kernel(do, geo, layout, config.compute_dtype)
-    has_dht = config.output_final_state and dht is not None
     dhtk = prepare.state_in(dht, geo) if has_dht else None
+    if config.fused_backward:
+        dq, dk, dv, da, dh0 = bwd.chunk_bwd(
+            qk,
+            kk,
+            vk,
+            dok,
+            gate,
+            x.states,
+            x.scores,
+            dhtk,
+            meta,
+            specs=specs.reversed(),
+            scale=scale,
+            need_dh0=h0 is not None,
+            anchor_range=config.anchor_range,
+            interpret=interpret,
+        )
+        return (*op_gradients(config, layout, dq, dk, dv, da, dh0, dht if has_dht else None), None)
+    h, _ = chunk_fwd_h(kk, vk, gate, h0, meta, specs=specs, output_final_state=False, interpret=interpret)
     dh, dh0 = chunk_bwd_dh(
         qk,
         dok,
@@ -314,9 +367,11 @@ def define_chunk_vjp(fn, forward, backward, *, implementation: str, op: str, g_g
     guarded_backward = first_order_only(backward, implementation=implementation, op=op, nondiff_argnums=(0,))
 
     def forward_rule(config, *primals):  # primals: CustomVJPPrimal(value, perturbed) or None
-        outputs, x = guarded_forward(config, *(None if p is None else p.value for p in primals))
         g_gamma = primals[g_gamma_argnum - 1]
-        float32_gate_grad = g_gamma is not None and g_gamma.perturbed and x.q.dtype != jnp.dtype(jnp.float32)
+        float32_gate_grad = g_gamma is not None and g_gamma.perturbed and config.compute_dtype != jnp.float32
+        if float32_gate_grad:
+            config = dataclasses.replace(config, head_major_only=True)
+        outputs, x = guarded_forward(config, *(None if p is None else p.value for p in primals))
         return outputs, dataclasses.replace(x, float32_gate_grad=bool(float32_gate_grad))
 
     def backward_rule(config, x, cotangents):
@@ -336,7 +391,7 @@ def _chunk_attention(config, q, k, v, g, g_gamma, gk, initial_state, cu_seqlens)
 
 
 define_chunk_vjp(
-    _chunk_attention, _forward_keeping_scores, _backward, implementation=IMPLEMENTATION, op=OPS, g_gamma_argnum=5
+    _chunk_attention, _forward_for_backward, _backward, implementation=IMPLEMENTATION, op=OPS, g_gamma_argnum=5
 )
 
 

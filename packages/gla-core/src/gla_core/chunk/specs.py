@@ -128,11 +128,6 @@ class ChunkSpecs:
 
         return pl.BlockSpec((None, None, self.chunk * self.chunks_per_step, self.block_v), value_index)
 
-    @property
-    def gate_kind(self) -> str:
-        """How `launch.for_each_chunk` slices the gate block: "r" time rows (per-key), "c" per chunk (scalar)."""
-        return "r" if self.gate_mode == "key" else "c"
-
     def gate(self) -> pl.BlockSpec:
         """The per-step log decays: [(n,) 1, C] of [B, H, NT, 1, C] or [n*C, Kt] of [B, H, Tp, K]."""
         if self.gate_mode == "key":
