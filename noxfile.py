@@ -7,6 +7,7 @@ lint               ruff check and ruff format --check
 demo               `gla demo`: every op vs the float64 oracle on this backend
 bench              pytest-benchmark: every implementation side by side (JSON in .benchmarks/)
 tpu_compile        installs jax[tpu] and compiles kernels for compile-only v5e/v6e devices
+cost               docs/perf/tpu-cost.md: libtpu's static time of every program vs its HBM floor, peers beside
 tpu_tests          the oracle and kernel tests compiled (no interpret mode) on a TPU host
 """
 
@@ -138,11 +139,18 @@ def tpu_compile(session: nox.Session) -> None:
     session.run("pytest", "-m", "tpu_compile", "-s", *session.posargs, env={"TPU_SKIP_MDS_QUERY": "1"})
 
 
+# The peers the cost report compiles beside our kernels (gla_core.cost_peers.PEER_REQUIREMENTS); only
+# the cost session installs them, no package depends on them.
+COST_PEERS = ("atomic-ops==0.2.0",)
+
+
 @nox.session(python=PYTHON)
 def cost(session: nox.Session) -> None:
-    """Writes docs/perf/tpu-cost.md: compiler cost estimates of every TPU implementation (installs jax[tpu])."""
+    """Writes docs/perf/tpu-cost.md: libtpu's static time of every program against its HBM floor, with the
+    peers beside ours (installs jax[tpu] and the peers). About 30 minutes and up to 12 GB."""
     install_packages(session, jax_requirement=JAX_TPU)
-    arguments = session.posargs or ["--cycles", "--output", "docs/perf/tpu-cost.md"]
+    session.install(*COST_PEERS, JAX_TPU)
+    arguments = session.posargs or ["--output", "docs/perf/tpu-cost.md"]
     session.run("gla", "cost", *arguments, env={"TPU_SKIP_MDS_QUERY": "1"})
 
 

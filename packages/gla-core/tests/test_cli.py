@@ -94,3 +94,52 @@ def test_bench_times_every_accepting_implementation(oracle_backed, capsys, monke
     for name in ("good", "bad", "reference"):
         assert out.count(f" {name} ") == 4  # two T x two stages
     assert "1.00x" in out
+
+
+def test_cost_measures_the_chosen_problems_and_writes_report_and_rows(monkeypatch, tmp_path, capsys):
+    from gla_core import cost_measure
+
+    calls = {}
+
+    def measure(problems, chips, **options):
+        calls.update(problems=[p.label for p in problems], chips=chips, **options)
+        kernel = cost_measure.KernelEstimate("chunk_fwd", 16, 10**6, 2**20, "scaled", ((512, 62_500), (1024, 125_000)))
+        row = cost_measure.ProgramRow(problems[0].spec, problems[0].label, "fwd", "v6e", "chunk", False, 1.9e9)
+        return {"v6e": 1.9e9}, [dataclasses.replace(row, argument_bytes=2**27, output_bytes=2**27, kernels=(kernel,))]
+
+    monkeypatch.setattr(cli, "_require", lambda *args: None)
+    monkeypatch.setattr(cost_measure, "measure", measure)
+    output = tmp_path / "tpu-cost.md"
+    arguments = ["--op", "kda", "--chip", "v6e", "--no-decode", "--jobs", "1", "--full-shape-budget", "4"]
+    assert cli.main(["cost", *arguments, "--output", str(output)]) == 0
+    assert calls["problems"][:2] == ["B=2 T=4096 H=16 K=V=128 bf16, h0/ht", "B=1 T=8192 H=32 K=V=128 bf16, h0/ht"]
+    assert calls["chips"] == ("v6e",) and calls["jobs"] == 1 and calls["memory_budget"] == 12 * 2**30
+    assert calls["full_shape_budget"] == 4 * 2**30
+    assert calls["peered"] == [calls["problems"][0]]  # the peers beside kda's production shape only
+    report = output.read_text()
+    assert "| kda | B=2 T=4096 H=16 K=V=128 bf16, h0/ht | chunk | fwd | v6e | 526 us |" in report
+    assert "full-shape budget 4 GiB" in report and "jax " in report
+    assert output.with_suffix(".json").exists()
+
+
+def test_cost_refuses_a_full_shape_budget_above_the_memory_budget(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_require", lambda *args: None)
+    assert cli.main(["cost", "--op", "gla", "--no-decode", "--memory-budget", "6", "--full-shape-budget", "8"]) == 2
+    assert "full_shape_budget: expected 0 to the memory budget (6 GiB), got 8 GiB" in capsys.readouterr().err
+
+
+def test_cost_keeps_the_rows_measured_before_a_run_stops(monkeypatch, tmp_path):
+    from gla_core import cost_measure, cost_store
+    from gla_core.static_profile import ProfileError
+
+    def measure(problems, chips, *, measured, **options):
+        row = cost_measure.ProgramRow(problems[0].spec, problems[0].label, "fwd", "v6e", "chunk", False, 1.9e9)
+        measured({"v6e": 1.9e9}, [row])
+        raise ProfileError("calibration compile failed: killed")
+
+    monkeypatch.setattr(cli, "_require", lambda *args: None)
+    monkeypatch.setattr(cost_measure, "measure", measure)
+    output = tmp_path / "tpu-cost.md"
+    assert cli.main(["cost", "--op", "gla", "--chip", "v6e", "--no-decode", "--output", str(output)]) == 2
+    (row,) = cost_store.load(cost_store.json_path(output)).rows
+    assert row.op == "gla" and not output.exists()

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import sys
+import threading
+import time
 from collections.abc import Sequence
 
 import jax
@@ -15,6 +18,8 @@ from gla_core.errors import GlaError
 from gla_core.ops import DEFAULT_CHUNK_SIZE
 from gla_core.overrides import use
 from gla_core.registry import default_registry
+
+GIB = 2**30
 
 
 def _table(header: Sequence[str], rows: list[Sequence[str]]) -> str:
@@ -134,31 +139,62 @@ def command_bench(args: argparse.Namespace) -> int:
 
 
 def command_cost(args: argparse.Namespace) -> int:
-    """Compiles every TPU implementation for compile-only TPU devices and writes the cost report."""
+    """Compiles every program of the cost report for compile-only TPU devices and writes the report."""
     from gla_core import cost_store
-    from gla_core.cost import CHIPS, measure, production_problems, render_markdown
-    from gla_core.cost_decode import DECODE_OPS, measure_decode, merge_decode
-    from gla_core.progress import progress
+    from gla_core.cost import production_problems, small_problems
+    from gla_core.cost_decode import DECODE_OPS, measure_decode
+    from gla_core.cost_measure import DEFAULT_JOBS, measure
+    from gla_core.cost_peers import PEER_OPS
+    from gla_core.cost_report import render
+    from gla_core.static_profile import calibrate_clock
 
     _require("libtpu", "gla cost (compile-only TPU devices)", "pip install 'gla-core[tpu]' (or run nox -s cost)")
-    everything = production_problems()
+    start = time.monotonic()
+    everything = small_problems() if args.small else production_problems()
     problems = [p for p in everything if not args.op or p.op in args.op]
-    chips = tuple(args.chip or CHIPS)
-    rows = [] if args.decode_only else measure(problems, chips=chips, progress=progress, cycles=args.cycles)
+    chips = tuple(args.chip or ("v6e", "v5e"))
+    budget = round(args.memory_budget * GIB)
+    full = budget if args.full_shape_budget is None else round(args.full_shape_budget * GIB)
+    log = lambda message: print(f"[{time.monotonic() - start:5.0f} s] {message}", file=sys.stderr, flush=True)
+    order = [(p.op, p.label) for p in everything]
+    store = cost_store.json_path(args.output) if args.output else None
+    saving = threading.Lock()
+
+    def keep(clocks: dict, rows: list) -> None:
+        """Saves the rows of a problem and chip as soon as they are measured (an interrupted run keeps them)."""
+        if store is not None:
+            with saving:
+                cost_store.save(
+                    cost_store.merge(cost_store.load(store), cost_store.Stored(clocks, tuple(rows), ()), order), store
+                )
+
+    clocks, rows = {}, []
+    if not args.decode_only:
+        extra = {p.label: ("fused_g_gamma",) for p in problems if p.op == "simple_gla" and p.spec["gate"] == "g_gamma"}
+        # The peers beside the first problem of their op (the production shape of the issues).
+        peered = [] if args.no_peers else [next((p.label for p in problems if p.op == op), None) for op in PEER_OPS]
+        jobs = args.jobs or DEFAULT_JOBS
+        options = dict(peered=peered, extra=extra, jobs=jobs, memory_budget=budget, full_shape_budget=full)
+        clocks, rows = measure(problems, chips, progress=log, measured=keep, **options)
     decode_ops = [op for op in DECODE_OPS if not args.op or op in args.op]
-    profile_decode = (args.cycles or args.decode_only) and "v6e" in chips
-    decode_rows = measure_decode(decode_ops, chip="v6e") if profile_decode else []
+    decode = []
+    if not args.no_decode and "v6e" in chips:
+        clock = clocks["v6e"] if "v6e" in clocks else calibrate_clock("v6e", budget)
+        decode = measure_decode(decode_ops, clock, "v6e", budget)
+        log(f"decode steps: {len(decode)} programs")
+    measured = cost_store.Stored(clocks, tuple(rows), tuple(decode))
+    if store is not None:
+        measured = cost_store.merge(cost_store.load(store), measured, order)
+        cost_store.save(measured, store)
+    compiler = f"jax {jax.__version__}, libtpu {importlib.metadata.version('libtpu')}"
+    report = render(measured.clocks, measured.rows, measured.decode, full, compiler)
+    log(f"measured in {(time.monotonic() - start) / 60:.1f} min")
     if not args.output:
-        print(render_markdown(rows, decode_rows))
+        print(report)
         return 0
-    store = cost_store.json_path(args.output)
-    if args.op or args.chip or args.decode_only or not args.cycles:  # keep the rows not re-measured
-        rows = cost_store.merge_rows(cost_store.load_rows(store), rows, everything)
-        decode_rows = merge_decode(cost_store.load_decode_rows(store), decode_rows)
-    cost_store.save_rows(rows, store, decode_rows)
     with open(args.output, "w") as stream:
-        stream.write(render_markdown(rows, decode_rows) + "\n")
-    print(f"report written to {args.output} (rows in {store})")
+        stream.write(report + "\n")
+    print(f"report written to {args.output} (rows in {cost_store.json_path(args.output)})")
     return 0
 
 
@@ -231,7 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", metavar="FILE.png", help="also plot time against T (needs matplotlib)")
     bench.set_defaults(run=command_bench)
 
-    cost = commands.add_parser("cost", help="TPU compiler cost report (needs jax[tpu] for compile-only devices)")
+    cost = commands.add_parser(
+        "cost", help="TPU static cost report: time vs HBM floor per program (needs jax[tpu] for compile-only devices)"
+    )
     cost.add_argument(
         "--op",
         action="append",
@@ -241,14 +279,30 @@ def build_parser() -> argparse.ArgumentParser:
     cost.add_argument("--chip", action="append", choices=("v5e", "v6e"), help="only this chip (repeatable)")
     cost.add_argument("--output", metavar="FILE.md", help="write the markdown report here (its rows go to FILE.json)")
     cost.add_argument(
-        "--cycles",
+        "--small",
         action="store_true",
-        help="also fit libtpu static cycle estimates and profile the serving decode steps (v6e, slow)",
+        help="B=1 T=2048 problems with a quarter of the heads instead of the production shapes (a trial run)",
+    )
+    cost.add_argument("--no-peers", action="store_true", help="skip the other libraries' kernels")
+    cost.add_argument("--no-decode", action="store_true", help="skip the serving decode steps")
+    cost.add_argument(
+        "--decode-only", action="store_true", help="profile only the serving decode steps (v6e); keep every other row"
+    )
+    cost.add_argument("--jobs", type=int, default=None, help="compile subprocesses at once (default 2)")
+    cost.add_argument(
+        "--memory-budget",
+        type=float,
+        default=12.0,
+        metavar="GB",
+        help="memory the compile jobs may reserve at once; a job over its reservation is killed (default 12)",
     )
     cost.add_argument(
-        "--decode-only",
-        action="store_true",
-        help="profile only the serving decode steps (v6e static estimate); keep every other row",
+        "--full-shape-budget",
+        type=float,
+        default=None,
+        metavar="GB",
+        help="compile at the full shape every kernel predicted to fit this, scale the others from their probes "
+        "(default and at most: the memory budget; 0: scale every kernel that has probes, the fastest run)",
     )
     cost.set_defaults(run=command_cost)
 

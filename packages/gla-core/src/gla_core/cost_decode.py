@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from gla_core.static_profile import HBM_BANDWIDTH, calibrate_clock, profile_program
+from gla_core.static_profile import HBM_BANDWIDTH, profile_program
 
 DECODE_OPS = ("simple_gla", "gla", "kda")
 
@@ -55,22 +55,24 @@ def decode_spec(op: str, chip: str) -> dict:
     return {"program": "decode", "op": op, "chip": chip, "donate_argnums": list(serving_problem(op).donate_argnums)}
 
 
-def measure_decode(ops: Sequence[str] = DECODE_OPS, chip: str = "v6e") -> list[DecodeRow]:
-    """Profiles the decode step of every op in `ops` on `chip` (one calibration of the clock)."""
+def measure_decode(
+    ops: Sequence[str], clock_hz: float, chip: str = "v6e", memory_limit: int | None = None
+) -> list[DecodeRow]:
+    """Profiles the decode step of every op in `ops` on `chip` whose static model runs at `clock_hz`
+    (`calibrate_clock`), one subprocess each, killed past `memory_limit` bytes."""
     from gla_core.decode.serving import serving_problem
 
-    clock = calibrate_clock(chip)
     rows = []
     for op in ops:
         problem = serving_problem(op)
-        profile = profile_program(decode_spec(op, chip))
+        profile = profile_program(decode_spec(op, chip), memory_limit)
         rows.append(
             DecodeRow(
                 op,
                 problem.label,
                 chip,
                 dict(profile.kernel_cycles),
-                clock,
+                clock_hz,
                 problem.hbm_floor_bytes,
                 profile.xla_bytes,
                 profile.temp_bytes,
@@ -102,10 +104,3 @@ def render_decode(rows: Sequence[DecodeRow]) -> list[str]:
         )
     lines.append("")
     return lines
-
-
-def merge_decode(kept: Sequence[DecodeRow], measured: Sequence[DecodeRow]) -> list[DecodeRow]:
-    """`kept` rows of (op, chip) pairs not re-measured, then `measured`, in op order."""
-    keys = {(row.op, row.chip) for row in measured}
-    rows = [row for row in kept if (row.op, row.chip) not in keys] + list(measured)
-    return sorted(rows, key=lambda row: (DECODE_OPS.index(row.op), row.chip))

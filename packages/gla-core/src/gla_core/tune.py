@@ -16,9 +16,6 @@ from typing import Any
 
 from gla_core.registry import default_registry
 
-# The gate of the tuned program, per op (`attention_problem`'s `gate`).
-TUNING_GATE = {"simple_gla": "g", "gla": "gk", "kda": "g"}
-
 
 @dataclasses.dataclass(frozen=True)
 class Trial:
@@ -41,19 +38,12 @@ def tunable(op: str) -> list:
 
 
 def program_spec(op: str, chip: str, implementation: str, options: dict, *, batch, seq_len, heads, stage) -> dict:
-    """The `gla_core.static_profile` spec of one trial."""
-    return {
-        "program": "attention",
-        "op": op,
-        "batch": batch,
-        "seq_len": seq_len,
-        "heads": heads,
-        "gate": TUNING_GATE.get(op, "g"),
-        "impl": implementation,
-        "impl_options": {implementation: options},
-        "stage": stage,
-        "chip": chip,
-    }
+    """The `gla_core.static_profile` spec of one trial (simple_gla with its per-step gate `g`)."""
+    from gla_core.cost import attention_problem
+    from gla_core.cost import program_spec as stage_spec
+
+    problem = attention_problem(op, batch, seq_len, heads)
+    return {**stage_spec(problem, stage, implementation, {implementation: options}), "chip": chip}
 
 
 def static_cycles(spec: dict) -> int:
