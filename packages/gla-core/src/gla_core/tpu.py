@@ -15,6 +15,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 NUM_LANES = 128  # minor-most dimension of a vreg
 NUM_SUBLANES = 8  # second-minor dimension of a 32-bit vreg
+# The scoped VMEM limit of a kernel that sets `vmem_limit_bytes`, and the most it may use: 3/4 of
+# v7x's 64 MiB per core (v5e and v6e have 128 MiB), so every chip generation keeps room beside it.
+KERNEL_VMEM_BUDGET_BYTES = 48 * 2**20
 DETECT_RACES_ENV = "GLA_DETECT_RACES"
 # Simulated TensorCores per device when looking for races: "parallel" grid iterations only
 # overlap (and can race) when at least two cores run them. Two cores make interpret mode about

@@ -20,13 +20,11 @@ from typing import Any
 import jax
 
 from gla_core.overrides import use
+from gla_core.tpu import KERNEL_VMEM_BUDGET_BYTES  # noqa: F401 (re-exported for the kit)
 
 TOPOLOGIES = {"v5e": "v5e:2x2", "v6e": "v6e:2x2"}
 # Mosaic's default scoped VMEM limit per chip: a kernel above it needs `vmem_limit_bytes`.
 DEFAULT_SCOPED_VMEM_BYTES = {"v5e": 16 * 2**20, "v6e": 32 * 2**20}
-# The most scoped VMEM one kernel may ask for with `vmem_limit_bytes`: 3/4 of v7x's 64 MiB per core
-# (v5e and v6e have 128 MiB), so double-buffered blocks of every chip generation fit beside XLA's own.
-KERNEL_VMEM_BUDGET_BYTES = 48 * 2**20
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 

@@ -159,15 +159,6 @@ def nbytes(*arrays) -> int:
     return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in arrays if a is not None)
 
 
-def block_bytes(specs, arrays) -> int:
-    """Bytes of one block of every array (BlockSpecs and arrays or shape structs, in order; squeezed
-    block dims count one)."""
-    return sum(
-        math.prod(1 if d is None else d for d in spec.block_shape) * jnp.dtype(x.dtype).itemsize
-        for spec, x in zip(specs, arrays, strict=True)
-    )
-
-
 def cost_estimate(flops: int, transcendentals: int, arrays) -> pl.CostEstimate:
     """A `pl.CostEstimate` whose bytes are the sizes of every input and output of the kernel."""
     return pl.CostEstimate(flops=int(flops), transcendentals=int(transcendentals), bytes_accessed=nbytes(*arrays))

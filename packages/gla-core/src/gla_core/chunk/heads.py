@@ -30,12 +30,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from gla_core.chunk.common import block_bytes, compiler_params
+from gla_core.chunk.common import compiler_params
 from gla_core.token_major import HeadRows, heads_per_group
-from gla_core.tpu import NUM_LANES, interpret_params
-
-# Above the counted blocks and scratch: Mosaic's internal scratch and the kernels' temporaries.
-VMEM_HEADROOM_BYTES = 16 << 20
+from gla_core.tpu import KERNEL_VMEM_BUDGET_BYTES, NUM_LANES, interpret_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,10 +176,8 @@ def chunks_first(value: jax.Array, heads: int) -> jax.Array:
 
 def token_call(kernel, geo: TokenGeometry, inputs, in_specs, out_shape, out_specs, *, cost, name: str):
     """Runs a token-major kernel over the grid (batch rows "parallel", time steps "arbitrary") with a
-    float32 VMEM scratch `[H, V, K]` (the states, or their gradients, of all heads) and a scoped
-    VMEM limit of its double-buffered blocks, the scratch and `VMEM_HEADROOM_BYTES`."""
-    scratch = geo.num_heads * geo.value_dim * geo.key_dim * 4
-    vmem = 2 * (block_bytes(in_specs, inputs) + block_bytes(out_specs, out_shape)) + scratch + VMEM_HEADROOM_BYTES
+    float32 VMEM scratch `[H, V, K]` (the states, or their gradients, of all heads), allowed
+    `KERNEL_VMEM_BUDGET_BYTES` of scoped VMEM (all heads' blocks and temporaries of n chunks)."""
     with jax.named_scope(name):
         return pl.pallas_call(
             kernel,
@@ -191,7 +186,7 @@ def token_call(kernel, geo: TokenGeometry, inputs, in_specs, out_shape, out_spec
             in_specs=in_specs,
             out_specs=out_specs,
             scratch_shapes=[pltpu.VMEM((geo.num_heads, geo.value_dim, geo.key_dim), jnp.float32)],
-            compiler_params=compiler_params("parallel", "arbitrary", vmem_limit_bytes=vmem),
+            compiler_params=compiler_params("parallel", "arbitrary", vmem_limit_bytes=KERNEL_VMEM_BUDGET_BYTES),
             interpret=interpret_params(geo.interpret),
             cost_estimate=cost,
             name=name,
