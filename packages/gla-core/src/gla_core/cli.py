@@ -138,6 +138,13 @@ def command_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _installed_version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
 def command_cost(args: argparse.Namespace) -> int:
     """Compiles every program of the cost report for compile-only TPU devices and writes the report."""
     from gla_core import cost_store
@@ -186,7 +193,7 @@ def command_cost(args: argparse.Namespace) -> int:
     if store is not None:
         measured = cost_store.merge(cost_store.load(store), measured, order)
         cost_store.save(measured, store)
-    compiler = f"jax {jax.__version__}, libtpu {importlib.metadata.version('libtpu')}"
+    compiler = f"jax {jax.__version__}, libtpu {_installed_version('libtpu')}"
     report = render(measured.clocks, measured.rows, measured.decode, full, compiler)
     log(f"measured in {(time.monotonic() - start) / 60:.1f} min")
     if not args.output:

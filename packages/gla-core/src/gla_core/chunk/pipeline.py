@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -348,7 +349,16 @@ def op_gradients(config: ChunkConfig, layout, dq, dk, dv, da, dh0, dht):
     return dq, dk, dv, dg, dg_gamma, dgk, d_initial
 
 
-def define_chunk_vjp(fn, forward, backward, *, implementation: str, op: str, g_gamma_argnum: int) -> None:
+def define_chunk_vjp(
+    fn,
+    forward,
+    backward,
+    *,
+    implementation: str,
+    op: str,
+    g_gamma_argnum: int,
+    for_float32_gate_grad: Callable | None = None,
+) -> None:
     """Gives `fn` (a `jax.custom_vjp` whose argument 0 is its static config) its VJP.
 
     `forward(config, *arrays) -> (outputs, KernelInputs)` and `backward(config, x, (do, dht))`
@@ -361,7 +371,8 @@ def define_chunk_vjp(fn, forward, backward, *, implementation: str, op: str, g_g
     d g_gamma sums d/da over every step of the batch; that sum can cancel to a small part of its
     terms (a fuzzed bfloat16 case: 85 out of 4400), so bfloat16 rounding of the states and scores,
     harmless for each step's d/da, was 10% of it. float32 products cost the dq/dk/gate kernel
-    more MXU passes, so they are used only when d g_gamma is needed.
+    more MXU passes, so they are used only when d g_gamma is needed; `for_float32_gate_grad(config)`,
+    if given, is the config the forward then runs with.
     """
     guarded_forward = first_order_only(forward, implementation=implementation, op=op, nondiff_argnums=(0,))
     guarded_backward = first_order_only(backward, implementation=implementation, op=op, nondiff_argnums=(0,))
@@ -369,8 +380,8 @@ def define_chunk_vjp(fn, forward, backward, *, implementation: str, op: str, g_g
     def forward_rule(config, *primals):  # primals: CustomVJPPrimal(value, perturbed) or None
         g_gamma = primals[g_gamma_argnum - 1]
         float32_gate_grad = g_gamma is not None and g_gamma.perturbed and config.compute_dtype != jnp.float32
-        if float32_gate_grad:
-            config = dataclasses.replace(config, head_major_only=True)
+        if float32_gate_grad and for_float32_gate_grad is not None:
+            config = for_float32_gate_grad(config)
         outputs, x = guarded_forward(config, *(None if p is None else p.value for p in primals))
         return outputs, dataclasses.replace(x, float32_gate_grad=bool(float32_gate_grad))
 
@@ -391,7 +402,13 @@ def _chunk_attention(config, q, k, v, g, g_gamma, gk, initial_state, cu_seqlens)
 
 
 define_chunk_vjp(
-    _chunk_attention, _forward_for_backward, _backward, implementation=IMPLEMENTATION, op=OPS, g_gamma_argnum=5
+    _chunk_attention,
+    _forward_for_backward,
+    _backward,
+    implementation=IMPLEMENTATION,
+    op=OPS,
+    g_gamma_argnum=5,
+    for_float32_gate_grad=lambda config: dataclasses.replace(config, head_major_only=True),
 )
 
 
