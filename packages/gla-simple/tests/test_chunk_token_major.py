@@ -79,6 +79,31 @@ def test_token_major_matches_the_oracle(name, routed, interpret):
     assert routed["forward"] >= 1 and routed["backward"] >= 1, routed
 
 
+def test_token_major_step_sizes_are_options(routed, interpret, monkeypatch):
+    """`step_chunks` and `training_step_chunks` set the chunks of all heads per grid step: here the
+    forward without a VJP takes 1 chunk per head and step, the forward for the VJP and the backward 4
+    (what the forward keeps is laid out per chunk, so the backward may walk other steps)."""
+    case = testing.make_case("gla", seq_len=128, chunk_size=32, seed=27, **TOKEN_MAJOR)
+    options = {"chunk": {"step_chunks": 2, "training_step_chunks": 8, "block_chunks": 4}}
+    chunks_per_step = set()
+    geometry = token_pipeline.geometry
+
+    def recorded(config, step_chunks):
+        geo = geometry(config, step_chunks)
+        chunks_per_step.add(geo.chunks_per_step)
+        return geo
+
+    monkeypatch.setattr(token_pipeline, "geometry", recorded)
+
+    def fn(**kwargs):
+        return gla_core.dispatch("gla", impl="chunk", interpret=interpret, impl_options=options, **kwargs)
+
+    errors = testing.check_against_oracle(fn, case)
+    assert {"o", "dq", "dgk"} <= set(errors)
+    assert routed["forward"] >= 1 and routed["backward"] >= 1, routed
+    assert chunks_per_step == {1, 4}, chunks_per_step
+
+
 def test_bfloat16_g_gamma_gradient_takes_the_head_major_kernels(routed, interpret):
     """d g_gamma sums the gate gradient of every step, so from bfloat16 inputs it needs float32
     products, which the token-major backward cannot hold for all heads in VMEM: such a call takes

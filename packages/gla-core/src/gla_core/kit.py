@@ -27,7 +27,8 @@ The shared Pallas chunk kernels (simple_gla / gla) and their pieces
   TN (and BATCHED_NN, BATCHED_NT, BATCHED_TN over a leading batch axis), mxu_dtype, causal_dot,
   row_to_column, column_to_row, compiler_params, cost_estimate;
   the tile options of their implementations: BLOCK_V_OPTION, BLOCK_K_OPTION, BLOCK_CHUNKS_OPTION,
-  block_sizes_of, and ANCHOR_RANGE_OPTION (the per-key gate's anchored fast path)
+  BLOCK_SIZE_OPTIONS (those and the token-major step sizes), block_sizes_of, and ANCHOR_RANGE_OPTION
+  (the anchored fast path)
 Kernels on the op's own token-major layout (no transposed copies)
   merge_heads, split_heads (the free [B, T*H, D] view), HeadRows, heads_per_group (per-head rows of a block),
   chunk_cumsum, two_sum, floor_cumsum_gates, CUMSUM_GATE_FLOOR (compensated in-kernel cumulative log decays)
@@ -51,6 +52,7 @@ from gla_core.chunk.common import (
     BATCHED_TN,
     BLOCK_CHUNKS_OPTION,
     BLOCK_K_OPTION,
+    BLOCK_SIZE_OPTIONS,
     BLOCK_V_OPTION,
     DEFAULT_BLOCK_SIZES,
     NN,
@@ -134,6 +136,7 @@ __all__ = [
     "BATCHED_TN",
     "BLOCK_CHUNKS_OPTION",
     "BLOCK_K_OPTION",
+    "BLOCK_SIZE_OPTIONS",
     "BLOCK_V_OPTION",
     "CHUNK_SIZES",
     "CUMSUM_GATE_FLOOR",

@@ -10,9 +10,7 @@ from __future__ import annotations
 import gla_core
 from gla_core.kit import (
     ANCHOR_RANGE_OPTION,
-    BLOCK_CHUNKS_OPTION,
-    BLOCK_K_OPTION,
-    BLOCK_V_OPTION,
+    BLOCK_SIZE_OPTIONS,
     block_sizes_of,
     chunk_gated_attention,
     unsupported_dtype_reason,
@@ -23,7 +21,7 @@ IMPLEMENTATION = "chunk"
 
 PRIORITY = 100
 BACKENDS = frozenset({"tpu"})
-OPTIONS = (BLOCK_V_OPTION, BLOCK_K_OPTION, BLOCK_CHUNKS_OPTION, ANCHOR_RANGE_OPTION)
+OPTIONS = (*BLOCK_SIZE_OPTIONS, ANCHOR_RANGE_OPTION)
 
 
 def gates_of(args) -> dict:

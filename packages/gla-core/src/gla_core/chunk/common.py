@@ -37,7 +37,14 @@ class BlockSizes:
       block_k: the largest key-dimension tile of the dq/dk/dgate kernel (it sees all of V).
       block_chunks: the most chunks of one grid step of the forward (fixed-length inputs) and
         of the parallel backward kernels (dv and dq/dk/dgate): a grid step costs ~350 cycles of
-        its own (libtpu's static estimate, v6e), a fifth of a chunk's work at C = 64.
+        its own (libtpu's static estimate, v6e), a fifth of a chunk's work at C = 64. On the
+        token-major kernels, the most chunks per head of one grid step.
+      step_chunks: the token-major forward without a VJP: the most chunks of all heads together
+        (H times the chunks per head) of one grid step (gla at H=16, C=64, v6e: 2.10x the HBM
+        floor at 16, 1.83x at 32, 27 MB of VMEM).
+      training_step_chunks: the same for the token-major forward that keeps scores and states for
+        the backward, and for the backward, which hold more per chunk (at 32 the backward gains
+        nothing and nears the VMEM budget).
     A padded dimension (a multiple of 128) is split into the largest multiple of 128 lanes
     that is <= the block size and divides it.
     """
@@ -45,14 +52,17 @@ class BlockSizes:
     block_v: int = 256
     block_k: int = 256
     block_chunks: int = 4
+    step_chunks: int = 32
+    training_step_chunks: int = 16
 
     def __post_init__(self):
         for name in ("block_v", "block_k"):
             value = getattr(self, name)
             if value < NUM_LANES or value % NUM_LANES:
                 raise ValueError(f"{name}: expected a positive multiple of {NUM_LANES}, got {value}")
-        if self.block_chunks < 1:
-            raise ValueError(f"block_chunks: expected a positive number of chunks, got {self.block_chunks}")
+        for name in ("block_chunks", "step_chunks", "training_step_chunks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected a positive number of chunks, got {getattr(self, name)}")
 
     def value_tile(self, padded_value_dim: int) -> int:
         """The V tile for a padded value dimension (a multiple of 128)."""
@@ -86,14 +96,36 @@ BLOCK_CHUNKS_OPTION = Option(
     candidates=(1, 2, 4, 8),
 )
 
+STEP_CHUNKS_OPTION = Option(
+    "step_chunks",
+    DEFAULT_BLOCK_SIZES.step_chunks,
+    positive_int("step_chunks"),
+    "token-major forward without a VJP: most chunks of all heads together per grid step",
+    candidates=(8, 16, 32, 64),
+)
+TRAINING_STEP_CHUNKS_OPTION = Option(
+    "training_step_chunks",
+    DEFAULT_BLOCK_SIZES.training_step_chunks,
+    positive_int("training_step_chunks"),
+    "token-major forward for a VJP and backward: most chunks of all heads together per grid step",
+    candidates=(8, 16, 32),
+)
+BLOCK_SIZE_OPTIONS = (
+    BLOCK_V_OPTION,
+    BLOCK_K_OPTION,
+    BLOCK_CHUNKS_OPTION,
+    STEP_CHUNKS_OPTION,
+    TRAINING_STEP_CHUNKS_OPTION,
+)
+
 
 def block_sizes_of(options: ImplOptions) -> BlockSizes:
-    """The tiles a call's options ask for (`BLOCK_V_OPTION`, `BLOCK_K_OPTION`, `BLOCK_CHUNKS_OPTION`),
-    defaults for the others."""
+    """The tiles a call's options ask for (`BLOCK_SIZE_OPTIONS`), defaults for the others."""
     return BlockSizes(
-        block_v=options.get("block_v", DEFAULT_BLOCK_SIZES.block_v),
-        block_k=options.get("block_k", DEFAULT_BLOCK_SIZES.block_k),
-        block_chunks=options.get("block_chunks", DEFAULT_BLOCK_SIZES.block_chunks),
+        **{
+            option.name: options.get(option.name, getattr(DEFAULT_BLOCK_SIZES, option.name))
+            for option in BLOCK_SIZE_OPTIONS
+        }
     )
 
 

@@ -27,13 +27,6 @@ from gla_core.chunk.token_fwd import token_fwd
 from gla_core.pallas_transforms import fold_vmap
 from gla_core.token_major import merge_heads, split_heads
 
-# The most chunks (of all heads together) one grid step takes, H heads times n chunks each: the
-# forward's per-step overhead falls with more (v6e static estimate of gla at H=16, C=64: 2.10x the
-# floor at 16, 1.83x at 32, 27 MB of VMEM). The forward that keeps scores and states for the
-# backward, and the backward, hold more per chunk and stay at 16 (at 32 they outgrow their VMEM limit).
-FORWARD_STEP_CHUNKS = 32
-TRAINING_STEP_CHUNKS = 16
-
 
 def geometry(config, step_chunks: int) -> TokenGeometry:
     """The `TokenGeometry` of a `pipeline.ChunkConfig` that fits the token-major kernels: n the
@@ -89,7 +82,8 @@ def gate_view(config, g, g_gamma, gk) -> jax.Array:
 
 def forward(config, q, k, v, g, g_gamma, gk, initial_state, *, for_backward: bool):
     """((o [B, T, H, V], final state [B, H, K, V] float32 or None), `TokenResiduals`)."""
-    geo = geometry(config, TRAINING_STEP_CHUNKS if for_backward else FORWARD_STEP_CHUNKS)
+    sizes = config.block_sizes
+    geo = geometry(config, sizes.training_step_chunks if for_backward else sizes.step_chunks)
     views = [merge_heads(x.astype(config.compute_dtype)) for x in (q, k, v)]
     gate = gate_view(config, g, g_gamma, gk)
     h0 = prepare.state_in(initial_state, config.geometry) if initial_state is not None else None
@@ -117,7 +111,7 @@ def forward(config, q, k, v, g, g_gamma, gk, initial_state, *, for_backward: boo
 def backward(config, x: TokenResiduals, do, dht):
     """(dq, dk, dv, dg, dg_gamma, dgk, d initial_state) in the op's layouts and input dtypes (None
     where absent)."""
-    geo = geometry(config, TRAINING_STEP_CHUNKS)
+    geo = geometry(config, config.block_sizes.training_step_chunks)
     h = geo.num_heads
     dht = prepare.state_in(dht, config.geometry) if dht is not None else None
 
