@@ -117,6 +117,26 @@ def test_padded_time_several_chunks_per_step_and_wide_tiles_match_oracle(interpr
     assert set(errors) == {"o", "final_state", "dq", "dk", "dv", "dg", "dinitial_state"}
 
 
+def test_chunk_256_matches_oracle(interpret):
+    """The v6e default kernel chunk (256, one chunk per grid step, all of T = 256) with g and a
+    g_gamma of -10 per step (|a| * C = 2560 and more), h0 and ht: the [256, 256] decay matrices stay
+    overflow-safe and every output and gradient matches the oracle."""
+    case = make_case(
+        "simple_gla",
+        seq_len=256,
+        key_dim=32,
+        value_dim=48,
+        gates=("g", "g_gamma"),
+        chunk_size=64,
+        initial_state=True,
+        output_final_state=True,
+        seed=6,
+    )
+    case = _with_inputs(case, g_gamma=jnp.full((2,), -10.0, jnp.float32))
+    errors = check_against_oracle(dispatched(interpret, kernel_chunk=256, block_tokens=256), case)
+    assert set(errors) == {"o", "final_state", "dq", "dk", "dv", "dg", "dg_gamma", "dinitial_state"}
+
+
 def _outputs_and_grads(fn, case) -> dict[str, np.ndarray]:
     """fn's outputs and VJP with the oracle's cotangents, keyed like `gla_ref.testing.oracle`."""
     names = case.differentiable

@@ -145,10 +145,25 @@ def test_explain_shows_fused_chunk_options():
     assert resolution.options.describe() == "block_tokens=256, kernel_chunk=128 (default)"
 
 
+def test_v6e_table_sets_chunk_256():
+    """Calls traced for v6e (and v5e, v7x, which borrow its rows) take chunk 256 and 256 tokens per
+    grid step from the per-chip table; a per-call option still wins."""
+    (q, k, v), g = _structs()
+    for chip in ("v5e", "v6e", "v7x"):
+        with gla_core.use(backend="tpu", chip=chip):
+            options = gla_core.explain("simple_gla", q, k, v, g=g).options
+        assert (options["kernel_chunk"], options["block_tokens"]) == (256, 256), chip
+    with gla_core.use(backend="tpu", chip="v6e"):
+        options = gla_core.explain(
+            "simple_gla", q, k, v, g=g, impl_options={"fused_chunk": {"kernel_chunk": 64}}
+        ).options
+    assert options["kernel_chunk"] == 64
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"kernel_chunk": 96}, r"kernel_chunk: expected one of \(16, 32, 64, 128\), got 96"),
+        ({"kernel_chunk": 96}, r"kernel_chunk: expected one of \(16, 32, 64, 128, 256\), got 96"),
         ({"block_tokens": 0}, "block_tokens: expected a positive int, got 0"),
     ],
 )

@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from gla_core.kit import (
+    KERNEL_VMEM_BUDGET_BYTES,
     NN,
     NT,
     HeadRows,
@@ -121,8 +122,11 @@ VMEM_HEADROOM_BYTES = 8 << 20
 
 def sequential_in_time_params(vmem_bytes: int):
     """Compiler parameters of a fused_chunk kernel: batch rows in parallel, token blocks in order (the
-    state is carried in VMEM), and a scoped VMEM limit of the counted `vmem_bytes` plus headroom."""
-    return compiler_params("parallel", "arbitrary", vmem_limit_bytes=vmem_bytes + VMEM_HEADROOM_BYTES)
+    state is carried in VMEM), and a scoped VMEM limit of `KERNEL_VMEM_BUDGET_BYTES`, or of the counted
+    `vmem_bytes` plus headroom when that is more. (The temporaries of all heads' [C, C] products grow
+    as C^2: at chunk 256 they take ~20 MiB beyond the blocks.)"""
+    limit = max(vmem_bytes + VMEM_HEADROOM_BYTES, KERNEL_VMEM_BUDGET_BYTES)
+    return compiler_params("parallel", "arbitrary", vmem_limit_bytes=limit)
 
 
 def block_bytes(specs, arrays) -> int:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import gla_core
 from gla_core.errors import InvalidArgumentError
-from gla_core.kit import CHUNK_SIZES, Option, positive_int, unsupported_dtype_reason
+from gla_core.kit import Option, positive_int, unsupported_dtype_reason
 from gla_fused.fused_chunk.pipeline import IMPLEMENTATION, fused_chunk_attention
-from gla_fused.fused_chunk.steps import DEFAULT_BLOCK_TOKENS, DEFAULT_KERNEL_CHUNK
+from gla_fused.fused_chunk.steps import DEFAULT_BLOCK_TOKENS, DEFAULT_KERNEL_CHUNK, KERNEL_CHUNKS
 from gla_fused.registration import fused_implementation
 
 NAME = IMPLEMENTATION
@@ -16,9 +16,9 @@ OPTIONS = (
     Option(
         "kernel_chunk",
         DEFAULT_KERNEL_CHUNK,
-        positive_int("kernel_chunk", CHUNK_SIZES),
+        positive_int("kernel_chunk", KERNEL_CHUNKS),
         "the kernels' chunk",
-        candidates=(64, 128),
+        candidates=(64, 128, 256),
     ),
     Option(
         "block_tokens",

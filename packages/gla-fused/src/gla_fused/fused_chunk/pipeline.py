@@ -250,7 +250,7 @@ def fused_chunk_attention(
       scale: multiplies q; None means K ** -0.5.
       initial_state: [B, H, K, V] or None.
       output_final_state: also return the final states [B, H, K, V] float32.
-      kernel_chunk: the kernels' chunk (16, 32, 64 or 128). The op's `chunk_size` does not
+      kernel_chunk: the kernels' chunk (16, 32, 64, 128 or 256). The op's `chunk_size` does not
         apply: every chunk size computes the same function up to rounding, and this one is a
         tuning knob of these kernels (see `steps`).
       block_tokens: tokens per grid step, at most.

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-# v6e static estimate, B=2 T=4096 H=16 K=V=128 bf16, forward, 128 tokens per grid step:
-# chunk 128 319.6 k cycles, chunk 64 523.6 k.
+from gla_core.kit import CHUNK_SIZES
+
+# The kernels' chunks: the op's chunk sizes and 256, which fills v6e's 256-wide MXU. v6e static
+# estimate, B=2 T=4096 H=16 K=V=128 bf16 (cycles; forward alone, then the training step's forward
+# + backward): chunk 64 (128 tokens per step) 524 k; chunk 128 (128 tokens) 360 k, 347 k + 705 k;
+# chunk 256 (256 tokens) 285 k, 267 k + 615 k; chunk 256 (512 tokens) 249 k + 607 k but 59 MiB of
+# VMEM. The per-chip table (`gla_core.tuning`) sets 256 on v6e; these defaults (calls traced for no
+# TPU chip, e.g. interpret mode) keep the cheaper chunk 128.
+KERNEL_CHUNKS = (*CHUNK_SIZES, 256)
 DEFAULT_KERNEL_CHUNK = 128
 DEFAULT_BLOCK_TOKENS = 128
 
