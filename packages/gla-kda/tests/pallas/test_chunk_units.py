@@ -73,11 +73,10 @@ def _exponents(hi, lo):
 @functools.partial(jax.jit, static_argnames="unroll")
 def _products(hi, lo, a, b, p, unroll):
     d = cm.Decays(hi, cm.SubBlocks(C, S), lo)
-    (scores,) = cm.gated_scores([a], b, d, jnp.float32, unroll)
     grads = cm.gated_grads([(p, a)], b, d, jnp.float32, unroll)
     zeros = jnp.zeros_like(a)
     dg = d.gate_grad(zeros, zeros, grads.after_block, grads.before_block) + grads.direct
-    return scores, grads.rows[0], grads.cols[0], dg
+    return grads.rows[0], grads.cols[0], dg
 
 
 def _exponent_pairs(g):
@@ -121,17 +120,17 @@ def test_decays_stay_exact_behind_strong_decays():
 @pytest.mark.parametrize(
     ("data", "unroll"), [("mild", False), ("strong", False), ("strong", True), ("strong_then_weak", False)]
 )
-def test_gated_products_and_their_gradients(data, unroll):
-    """gated_scores and gated_grads (row, column and per-step decay gradients) against explicit
-    [C, C, K] decays, rolled (interpret mode) and unrolled with static row picks (TPU)."""
+def test_gated_product_gradients(data, unroll):
+    """gated_grads (row, column and per-step decay gradients of the gated products) against explicit
+    [C, C, K] decays, rolled (interpret mode) and unrolled with static row picks (TPU). The forward's
+    gated products are gla-core's (`gla_core.chunk.products`, tested there)."""
     g, a, b = {"mild": _chunk_data(1, 0.5), "strong": _chunk_data(1, 40.0), "strong_then_weak": _strong_then_weak(1)}[
         data
     ]
     weights = np.tril(np.random.default_rng(2).standard_normal((C, C)))
     decay = _decay_tensor(g)
     f32 = lambda x: jnp.asarray(x, jnp.float32)
-    scores, rows, cols, dg = _products(*_local(g), f32(a), f32(b), f32(weights), unroll)
-    assert_close("scores", scores, np.einsum("id,jd,ijd->ij", a, b, decay), TOL)
+    rows, cols, dg = _products(*_local(g), f32(a), f32(b), f32(weights), unroll)
     assert_close("rows", rows, np.einsum("ij,jd,ijd->id", weights, b, decay), TOL)
     assert_close("cols", cols, np.einsum("ij,id,ijd->jd", weights, a, decay), TOL)
     # d/dg_u of sum_ij W_ij a_i b_j exp(G_i - G_j): the pairs j < u <= i.

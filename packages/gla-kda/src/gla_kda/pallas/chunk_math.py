@@ -344,47 +344,6 @@ def _loop(count: int, body, carry, unroll: bool):
     return carry
 
 
-def gated_scores(rows_ops, col_op, decays: Decays, dtype, unroll: bool):
-    """P[a]_ij = sum_d a_id b_jd exp(G_id - G_jd) for j <= i, zero above the diagonal.
-
-    Args:
-      rows_ops: row operands a, each [C, K] float32.
-      col_op: the shared column operand b [C, K] float32.
-      decays: the chunk's decay exponents.
-      dtype: matrix-unit operand dtype of the off-diagonal products.
-      unroll: unroll the loop over sub-block positions.
-
-    Returns:
-      One [C, C] float32 per row operand.
-    """
-    sb = decays.sb
-    c = sb.chunk
-    col = iota((c, c), 1)
-    # Off-diagonal sub-blocks: rows of block r against columns < n = r * s, anchored at row n.
-    off = [[None] for _ in rows_ops]
-    for r in range(1, sb.count):
-        n = r * sb.sub
-        b_anchored = col_op * jnp.exp(decays.before_anchor(r))
-        decay_rows = jnp.exp(decays.within_block(r))
-        for slabs, a in zip(off, rows_ops, strict=True):
-            block = dot(sb.rows(a, r) * decay_rows, b_anchored, dtype, trans_b=True)
-            slabs.append(jnp.where(col[:1] < n, block, 0.0))
-    scores = tuple(sb.stack(slabs, c) for slabs in off)
-    position, start = sb.position(col_op.shape[1]), sb.start(c)
-
-    # Diagonal sub-blocks: column position jj of every sub-block at a time.
-    def column(jj, scores):
-        decay = _masked_exp(decays.from_position(jj), position >= jj)
-        b_decayed = sb.broadcast_row(col_op, jj) * decay
-        target = col == start + jj
-        columns = [jnp.sum(a * b_decayed, axis=1, keepdims=True) for a in rows_ops]
-        return tuple(jnp.where(target, x, p) for p, x in zip(scores, columns, strict=True))
-
-    scores = _loop(sb.sub, column, scores, unroll)
-    causal = lower_mask(c, strict=False)
-    return [jnp.where(causal, p, 0.0) for p in scores]
-
-
 @dataclasses.dataclass(frozen=True)
 class GatedGrads:
     """Gradients of the gated products P[a]_ij = sum_d a_id b_jd exp(G_id - G_jd) (j <= i) for cotangents W.

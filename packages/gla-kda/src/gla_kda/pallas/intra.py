@@ -1,11 +1,13 @@
 """Forward intra-chunk kernel: the WY inverse (I + Akk)^-1 and the attention Aqk of every chunk.
 
 Per chunk (C tokens of the user's q/k/g, read in place through token-major views, G the
-within-chunk cumsum of the decay, formed in the kernel as its sub-block-local form, see
-`chunk_math.Decays`):
+within-chunk cumsum of the cleaned decay, `chunk_math.clean_log_decay`):
   Akk_ij = beta_i sum_d k_id k_jd exp(G_id - G_jd)          j < i   (strictly lower)
   Tinv   = (I + Akk)^-1                                       (blocked forward substitution)
   Aqk_ij = scale sum_d q_id k_jd exp(G_id - G_jd)           j <= i
+The gated products are gla-core's (`gla_core.chunk.products`): one matrix product each from the
+anchored factors e^{+-D} of all n chunks of the step, recomputed exactly with the level products
+(every exponent <= 0) when a step's anchored exponents leave the anchor range.
 Every chunk is independent: the grid (B, HV, NT) is parallel on all axes.
 """
 
@@ -17,31 +19,40 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from gla_core.chunk.anchored import StepDecays, default_anchor_range
+from gla_core.chunk.gates import mask_table_inputs
+from gla_core.chunk.products import AnchoredProducts, LevelProducts
 from gla_core.kit import fold_vmap, row_to_column
 from gla_kda.pallas import chunk_math as cm
 from gla_kda.pallas.config import KernelConfig, compiler_params, token_block
 
 
-def intra_kernel(q_ref, k_ref, g_ref, beta_ref, tinv_ref, aqk_ref, *, config: KernelConfig):
+def intra_kernel(q_ref, k_ref, g_ref, beta_ref, table_ref, tinv_ref, aqk_ref, *, config: KernelConfig):
     """Blocks of n chunks: q, k [n*C, K] input dtype; g [n*C, K] raw per-step log decays (cleaned
-    and cumsummed here, `chunk_math.Decays.of_steps`); beta [n, 1, C]; outputs tinv, aqk [n*C, C]
-    float32.
+    here, `chunk_math.clean_log_decay`); beta [n, 1, C]; table: gla-core's `KeyMaskTable`; outputs
+    tinv, aqk [n*C, C] float32.
 
     The chunks are independent; their (I + Akk)^-1 are solved together (`unit_lower_inverses`)
     so that the serial chains of the substitution interleave.
     """
     sb = cm.SubBlocks(config.blocks.chunk_size, config.blocks.sub_chunk)
-    chunks = [pl.ds(n * sb.chunk, sb.chunk) for n in range(beta_ref.shape[0])]
-    strict = cm.lower_mask(sb.chunk, strict=True)
-    akks = []
-    for n, rows in enumerate(chunks):
-        q = cm.finite(q_ref[rows, :]) * config.scale
-        k = cm.finite(k_ref[rows, :])
-        decays = cm.Decays.of_steps(g_ref[rows, :], sb)
-        kk, aqk_ref[rows, :] = cm.gated_scores([k, q], k, decays, config.mxu_dtype, config.unroll)
-        akks.append(jnp.where(strict, row_to_column(beta_ref[n]) * kk, 0.0))
-    for rows, tinv in zip(chunks, cm.unit_lower_inverses(akks, sb, config.unroll, config.mxu_dtype), strict=True):
-        tinv_ref[rows, :] = tinv
+    c, n = sb.chunk, beta_ref.shape[0]
+    dtype = config.mxu_dtype
+    q = (cm.finite(q_ref[...]) * config.scale).reshape(n, c, -1)
+    k = cm.finite(k_ref[...]).astype(jnp.float32).reshape(n, c, -1)
+    a = cm.clean_log_decay(g_ref[...])
+    decays = StepDecays(a, table_ref, c, default_anchor_range(dtype))
+    strict = cm.lower_mask(c, strict=True)
+
+    def write(products):
+        kk = products.scores(k, k)  # [n, C, C]
+        aqk_ref[...] = products.scores(q, k).reshape(n * c, c)
+        akks = [jnp.where(strict, row_to_column(beta_ref[i]) * kk[i], 0.0) for i in range(n)]
+        for i, tinv in enumerate(cm.unit_lower_inverses(akks, sb, config.unroll, dtype)):
+            tinv_ref[pl.ds(i * c, c), :] = tinv
+
+    write(AnchoredProducts(decays, dtype))
+    pl.when(jnp.logical_not(decays.in_range))(lambda: write(LevelProducts(a, table_ref, c, dtype)))
 
 
 def head_index(b, j, t):
@@ -84,6 +95,7 @@ def _launch_intra(q, k, g, beta, *, config: KernelConfig):
     per_step = config.blocks.per_step(num_chunks)
     rows = per_step * c
     qk_spec = token_block(rows, key_dim, config.group)
+    table, table_spec = mask_table_inputs("key", c)
     out_spec = pl.BlockSpec((None, None, rows, c), head_index)
     out_shape = jax.ShapeDtypeStruct((batch, heads, padded_len, c), jnp.float32)
     with jax.named_scope("kda_intra"):
@@ -95,6 +107,7 @@ def _launch_intra(q, k, g, beta, *, config: KernelConfig):
                 qk_spec,
                 token_block(rows, key_dim),
                 pl.BlockSpec((None, None, per_step, 1, c), beta_index),
+                *table_spec,
             ],
             out_specs=[out_spec, out_spec],
             out_shape=[out_shape, out_shape],
@@ -104,4 +117,4 @@ def _launch_intra(q, k, g, beta, *, config: KernelConfig):
             ),
             interpret=config.interpret_arg,
             name="kda_intra",
-        )(q, k, g, beta)
+        )(q, k, g, beta, *table)
