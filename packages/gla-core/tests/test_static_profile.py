@@ -103,6 +103,21 @@ def test_the_first_matching_probe_pair_traces_only_what_it_needs():
     assert static_profile.first_matching_pair(_calls(512, 16), untraceable, len(candidates)) is None
 
 
+def test_a_probe_pair_must_grow_the_grid():
+    """T = 128 and 256 both pad to one block of 256 tokens: the same grid gives no slope, so the first
+    pair is (256, 512)."""
+    candidates = [_calls(256, steps) for steps in (1, 1, 2, 4)]
+    assert static_profile.first_matching_pair(_calls(256, 16), lambda j: candidates[j], len(candidates)) == 1
+    assert static_profile.first_matching_pair(_calls(256, 16), lambda j: candidates[j], 2) is None
+
+
+def test_a_zero_cycle_estimate_is_a_failure_not_a_free_kernel():
+    assert "error" not in static_profile.kernel_measurement(1200, 4096, seconds=1.0)
+    failed = static_profile.kernel_measurement(0, 4096, seconds=1.0)
+    assert failed["error"] == static_profile.NO_ESTIMATE
+    assert (failed["cycles"], failed["seconds"]) == (0, 1.0)
+
+
 def test_kernel_name_drops_the_uniquifying_suffix():
     assert static_profile.kernel_name("chunk_fwd.12") == "chunk_fwd"
     assert static_profile.kernel_name("chunk_fwd") == "chunk_fwd"

@@ -195,14 +195,24 @@ def same_kernels(full: Sequence[KernelCall], probe: Sequence[KernelCall]) -> boo
     )
 
 
+def _grids_grow(smaller: Sequence[KernelCall], larger: Sequence[KernelCall]) -> bool:
+    """Whether every call of `larger` runs more grid steps than the same call of `smaller`."""
+    return all(math.prod(a.grid) < math.prod(b.grid) for a, b in zip(smaller, larger, strict=True))
+
+
 def first_matching_pair(
     full: Sequence[KernelCall], calls_of: Callable[[int], Sequence[KernelCall] | None], count: int
 ) -> int | None:
     """The first j < count - 1 such that candidates j and j + 1 both make the same calls as `full`
-    (`calls_of(j)`: candidate j's calls, None when it does not trace), asking only for the candidates
-    needed to find it; None when no pair does."""
+    (`calls_of(j)`: candidate j's calls, None when it does not trace) and every call of j + 1 runs more
+    grid steps than in j (a pair that pads to the same grid, e.g. T = 128 and 256 with blocks of 256
+    tokens, gives no slope), asking only for the candidates needed to find it; None when no pair does."""
     for j in range(count - 1):
-        if all(calls is not None and same_kernels(full, calls) for calls in map(calls_of, (j, j + 1))):
+        first = calls_of(j)
+        if first is None or not same_kernels(full, first):
+            continue
+        second = calls_of(j + 1)
+        if second is not None and same_kernels(full, second) and _grids_grow(first, second):
             return j
     return None
 
@@ -394,6 +404,18 @@ def run_job(job: dict, *, memory_limit: int | None = None, timeout: float = DEFA
         if job["mode"] != "kernels" or not crashed:
             raise ProfileError(f"{job['mode']} compile failed: {why}", over_memory)
         failed.append({**crashed[-1], "error": why, "over_memory": over_memory, "cycles": 0, "vmem_bytes": 0})
+
+
+NO_ESTIMATE = "libtpu's static profile estimated 0 cycles for it: no estimate, not a free kernel"
+
+
+def kernel_measurement(cycles: int, vmem_bytes: int, **extra) -> dict:
+    """The result record of one kernel compiled alone; an estimate of 0 cycles (libtpu writes one for
+    some kernels it does not model) is a failure with `NO_ESTIMATE`, never a kernel that costs nothing."""
+    record = {"cycles": cycles, "vmem_bytes": vmem_bytes, **extra}
+    if cycles <= 0:
+        record["error"] = NO_ESTIMATE
+    return record
 
 
 def _call_from(data: dict) -> KernelCall:
@@ -620,8 +642,7 @@ class _Worker:
             alone = profile_from(compiled.as_text(), self._cycles(), _memory(compiled), self.chip)
             (cycles,) = alone.kernel_cycles.values()
             (vmem,) = alone.kernel_vmem.values()
-            measured = {"cycles": cycles, "vmem_bytes": vmem, "seconds": seconds, "base_bytes": base}
-            measured["peak_bytes"] = _peak_bytes()
+            measured = kernel_measurement(cycles, vmem, seconds=seconds, base_bytes=base, peak_bytes=_peak_bytes())
             self.compiled[digest] = measured
             self._write("results.jsonl", {**described, **measured})
 
