@@ -349,6 +349,18 @@ def test_anchor_range_option_zero_takes_the_exact_products_everywhere(interpret)
         testing.check_against_oracle(fn, case)
 
 
+def test_kernel_chunk_option_is_checked_and_set_by_the_v6e_table():
+    case = testing.make_case("gla", seq_len=8, key_dim=8, value_dim=8)
+    with pytest.raises(errors.InvalidArgumentError, match=r"kernel_chunk: expected one of \(16, 32, 64, 128\), got 96"):
+        gla_core.dispatch("gla", impl=IMPL, interpret=True, impl_options={IMPL: {"kernel_chunk": 96}}, **case.kwargs())
+    kwargs = case.kwargs()
+    with gla_core.use(backend="tpu", chip="v6e"):
+        options = gla_core.explain("gla", **kwargs).options
+    assert (options["kernel_chunk"], options["step_chunks"]) == (128, 16)
+    with gla_core.use(backend="tpu"):  # traced for no TPU chip: no table, the call's chunk_size
+        assert gla_core.explain("gla", **kwargs).options["kernel_chunk"] is None
+
+
 def test_anchor_range_option_is_checked():
     case = testing.make_case("gla", seq_len=8, key_dim=8, value_dim=8)
     with pytest.raises(errors.InvalidArgumentError, match=r"anchor_range: expected None .* got -1"):

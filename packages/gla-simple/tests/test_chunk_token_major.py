@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import gla_core
-from gla_core.chunk import token_pipeline
+from gla_core.chunk import token_bwd, token_pipeline
 from gla_ref import testing
 
 pytestmark = pytest.mark.interpret
@@ -102,6 +102,38 @@ def test_token_major_step_sizes_are_options(routed, interpret, monkeypatch):
     assert {"o", "dq", "dgk"} <= set(errors)
     assert routed["forward"] >= 1 and routed["backward"] >= 1, routed
     assert chunks_per_step == {1, 4}, chunks_per_step
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kernel_chunk_128_splits_the_backward_heads(dtype, routed, interpret, monkeypatch):
+    """The `kernel_chunk` option (v6e's table: 128 for gla) overrides the call's chunk_size, and at
+    chunks of 128 the backward kernel takes its heads in two halves one after the other (all heads'
+    [C, C] temporaries at once would not fit the VMEM budget): T = 256 is two chunks, H = 4 two halves
+    of whole head pairs for bfloat16."""
+    case = testing.make_case("gla", seq_len=256, num_heads=4, chunk_size=32, dtype=dtype, seed=28, **TOKEN_MAJOR)
+    chunks, groups = set(), []
+    geometry, head_groups = token_pipeline.geometry, token_bwd.head_groups
+
+    def recorded_geometry(config, step_chunks):
+        geo = geometry(config, step_chunks)
+        chunks.add(geo.chunk)
+        return geo
+
+    def recorded_groups(geo, group):
+        groups.append(head_groups(geo, group))
+        return groups[-1]
+
+    monkeypatch.setattr(token_pipeline, "geometry", recorded_geometry)
+    monkeypatch.setattr(token_bwd, "head_groups", recorded_groups)
+
+    def fn(**kwargs):
+        options = {"chunk": {"kernel_chunk": 128}}
+        return gla_core.dispatch("gla", impl="chunk", interpret=interpret, impl_options=options, **kwargs)
+
+    errors = testing.check_against_oracle(fn, case)
+    assert {"o", "final_state", "dq", "dk", "dv", "dgk", "dinitial_state"} <= set(errors)
+    assert routed["forward"] >= 1 and routed["backward"] >= 1, routed
+    assert chunks == {128} and set(groups) == {2}, (chunks, groups)
 
 
 def test_bfloat16_g_gamma_gradient_takes_the_head_major_kernels(routed, interpret):

@@ -27,8 +27,8 @@ The shared Pallas chunk kernels (simple_gla / gla) and their pieces
   TN (and BATCHED_NN, BATCHED_NT, BATCHED_TN over a leading batch axis), mxu_dtype, causal_dot,
   row_to_column, column_to_row, compiler_params, cost_estimate;
   the tile options of their implementations: BLOCK_V_OPTION, BLOCK_K_OPTION, BLOCK_CHUNKS_OPTION,
-  BLOCK_SIZE_OPTIONS (those and the token-major step sizes), block_sizes_of, and ANCHOR_RANGE_OPTION
-  (the anchored fast path)
+  BLOCK_SIZE_OPTIONS (those and the token-major step sizes), block_sizes_of, ANCHOR_RANGE_OPTION
+  (the anchored fast path), KERNEL_CHUNK_OPTION and kernel_chunk_of (the kernels' chunk)
 Kernels on the op's own token-major layout (no transposed copies)
   merge_heads, split_heads (the free [B, T*H, D] view), HeadRows, heads_per_group (per-head rows of a block),
   chunk_cumsum, two_sum, floor_cumsum_gates, CUMSUM_GATE_FLOOR (compensated in-kernel cumulative log decays)
@@ -55,6 +55,7 @@ from gla_core.chunk.common import (
     BLOCK_SIZE_OPTIONS,
     BLOCK_V_OPTION,
     DEFAULT_BLOCK_SIZES,
+    KERNEL_CHUNK_OPTION,
     NN,
     NT,
     TN,
@@ -64,6 +65,7 @@ from gla_core.chunk.common import (
     compiler_params,
     cost_estimate,
     dot,
+    kernel_chunk_of,
     mxu_dtype,
     row_to_column,
 )
@@ -145,6 +147,7 @@ __all__ = [
     "DEFAULT_SCOPED_VMEM_BYTES",
     "GATE_FLOOR",
     "INTERPRET_HINT",
+    "KERNEL_CHUNK_OPTION",
     "KERNEL_VMEM_BUDGET_BYTES",
     "NN",
     "NT",
@@ -204,6 +207,7 @@ __all__ = [
     "interpret_params",
     "intra_costs",
     "is_concrete",
+    "kernel_chunk_of",
     "kernel_inputs",
     "merge_heads",
     "multiple_of",

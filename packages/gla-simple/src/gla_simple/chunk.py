@@ -11,8 +11,10 @@ import gla_core
 from gla_core.kit import (
     ANCHOR_RANGE_OPTION,
     BLOCK_SIZE_OPTIONS,
+    KERNEL_CHUNK_OPTION,
     block_sizes_of,
     chunk_gated_attention,
+    kernel_chunk_of,
     unsupported_dtype_reason,
 )
 from gla_simple.registration import for_both_ops
@@ -21,7 +23,7 @@ IMPLEMENTATION = "chunk"
 
 PRIORITY = 100
 BACKENDS = frozenset({"tpu"})
-OPTIONS = (*BLOCK_SIZE_OPTIONS, ANCHOR_RANGE_OPTION)
+OPTIONS = (*BLOCK_SIZE_OPTIONS, ANCHOR_RANGE_OPTION, KERNEL_CHUNK_OPTION)
 
 
 def gates_of(args) -> dict:
@@ -30,7 +32,8 @@ def gates_of(args) -> dict:
 
 
 def run(args):
-    """simple_gla or gla on the Pallas chunk kernels, on the call's validated arguments record."""
+    """simple_gla or gla on the Pallas chunk kernels, on the call's validated arguments record (the
+    kernels' chunk: the `kernel_chunk` option when set, else the call's `chunk_size`)."""
     return chunk_gated_attention(
         args.q,
         args.k,
@@ -40,7 +43,7 @@ def run(args):
         initial_state=args.initial_state,
         output_final_state=args.output_final_state,
         cu_seqlens=args.cu_seqlens,
-        chunk_size=args.chunk_size,
+        chunk_size=kernel_chunk_of(args.options, args.chunk_size),
         interpret=args.interpret,
         block_sizes=block_sizes_of(args.options),
         anchor_range=args.options.get("anchor_range"),

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from gla_core.ops import CHUNK_SIZES
 from gla_core.options import ImplOptions, Option, multiple_of, positive_int
 from gla_core.tpu import NUM_LANES
 
@@ -117,6 +118,29 @@ BLOCK_SIZE_OPTIONS = (
     STEP_CHUNKS_OPTION,
     TRAINING_STEP_CHUNKS_OPTION,
 )
+
+
+def _check_kernel_chunk(value) -> int | None:
+    if value is None:
+        return None
+    return positive_int("kernel_chunk", CHUNK_SIZES)(value)
+
+
+# Every chunk size computes the same function up to rounding, so the kernels' chunk is a tuning knob:
+# the per-chip table sets it where a larger chunk fills the MXU better (v6e: 128 for gla).
+KERNEL_CHUNK_OPTION = Option(
+    "kernel_chunk",
+    None,
+    _check_kernel_chunk,
+    f"the kernels' chunk, in place of the call's chunk_size (None: the call's; one of {CHUNK_SIZES})",
+    candidates=(64, 128),
+)
+
+
+def kernel_chunk_of(options: ImplOptions, chunk_size: int) -> int:
+    """The chunk the kernels use: the `kernel_chunk` option when set, else the call's `chunk_size`."""
+    chosen = options.get("kernel_chunk")
+    return chunk_size if chosen is None else chosen
 
 
 def block_sizes_of(options: ImplOptions) -> BlockSizes:

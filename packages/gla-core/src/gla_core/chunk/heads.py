@@ -116,29 +116,37 @@ class TokenGeometry:
         return pl.BlockSpec((None, self.num_heads, self.value_dim, self.key_dim), lambda b, t: (b, 0, 0, 0))
 
 
-def load_heads(ref, geo: TokenGeometry, dtype=None) -> jax.Array:
-    """Every head's rows of a `[1, n*C*H, D]` block as `[H*n, C, D]` (cast to `dtype` if given)."""
+def load_heads(ref, geo: TokenGeometry, dtype=None, heads: range | None = None) -> jax.Array:
+    """The rows of `heads` (default: every head; a range of whole head groups) of a `[1, n*C*H, D]`
+    block as `[len(heads)*n, C, D]` (cast to `dtype` if given)."""
     rows = HeadRows(ref, geo.num_heads, geo.interpret)
+    heads = range(geo.num_heads) if heads is None else heads
     tokens = geo.chunks_per_step * geo.chunk
-    heads = [x for head in range(0, geo.num_heads, rows.group) for x in rows.load(0, tokens, head)]
-    value = jnp.stack(heads)  # [H, n*C, D]
+    loaded = [x for head in range(heads.start, heads.stop, rows.group) for x in rows.load(0, tokens, head)]
+    value = jnp.stack(loaded)  # [len(heads), n*C, D]
     if dtype is not None:
         value = value.astype(dtype)
-    return value.reshape(geo.num_heads * geo.chunks_per_step, geo.chunk, value.shape[-1])
+    return value.reshape(len(heads) * geo.chunks_per_step, geo.chunk, value.shape[-1])
 
 
-def store_heads(ref, value: jax.Array, geo: TokenGeometry) -> None:
-    """Writes `[H*n, C, D]` as every head's rows of a `[1, n*C*H, D]` block (cast to its dtype)."""
+def store_heads(ref, value: jax.Array, geo: TokenGeometry, heads: range | None = None) -> None:
+    """Writes `[len(heads)*n, C, D]` as the rows of `heads` (default: every head) of a `[1, n*C*H, D]`
+    block (cast to its dtype)."""
     rows = HeadRows(ref, geo.num_heads, geo.interpret)
-    per_head = value.reshape(geo.num_heads, geo.chunks_per_step * geo.chunk, value.shape[-1])
-    for head in range(0, geo.num_heads, rows.group):
-        rows.store(0, head, tuple(per_head[h] for h in range(head, head + rows.group)))
+    heads = range(geo.num_heads) if heads is None else heads
+    per_head = value.reshape(len(heads), geo.chunks_per_step * geo.chunk, value.shape[-1])
+    for head in range(heads.start, heads.stop, rows.group):
+        first = head - heads.start
+        rows.store(0, head, tuple(per_head[h] for h in range(first, first + rows.group)))
 
 
-def load_gate(ref, geo: TokenGeometry, key_dim: int) -> jax.Array:
-    """The step's log decays per key, `[H*n, C, K]` float32 (a scalar gate broadcast over the keys)."""
+def load_gate(ref, geo: TokenGeometry, key_dim: int, heads: range | None = None) -> jax.Array:
+    """The step's log decays per key, `[H*n, C, K]` float32 (a scalar gate broadcast over the keys);
+    a per-key gate's may be those of `heads` only."""
     if not geo.scalar_gate:
-        return load_heads(ref, geo)
+        return load_heads(ref, geo, heads=heads)
+    if heads is not None and len(heads) != geo.num_heads:
+        raise ValueError(f"heads: a scalar gate is loaded for every head, got {heads}")
     gate = ref[0]  # [n*C, H]
     lanes = jax.lax.broadcasted_iota(jnp.int32, gate.shape, 1)
     tokens = gate.shape[0]
@@ -147,12 +155,14 @@ def load_gate(ref, geo: TokenGeometry, key_dim: int) -> jax.Array:
     return per_key.reshape(geo.num_heads * geo.chunks_per_step, geo.chunk, key_dim)
 
 
-def store_gate_grad(ref, grad: jax.Array, geo: TokenGeometry) -> None:
-    """Writes the gradient of the log decays per key `[H*n, C, K]` float32: per key, or for a scalar
-    gate summed over the keys into the `[1, n*C, H]` block."""
+def store_gate_grad(ref, grad: jax.Array, geo: TokenGeometry, heads: range | None = None) -> None:
+    """Writes the gradient of the log decays per key `[H*n, C, K]` float32: per key (of `heads` only,
+    if given), or for a scalar gate (every head) summed over the keys into the `[1, n*C, H]` block."""
     if not geo.scalar_gate:
-        store_heads(ref, grad, geo)
+        store_heads(ref, grad, geo, heads)
         return
+    if heads is not None and len(heads) != geo.num_heads:
+        raise ValueError(f"heads: a scalar gate's gradient is stored for every head, got {heads}")
     tokens = geo.chunks_per_step * geo.chunk
     per_head = jnp.sum(grad, axis=-1, keepdims=True).reshape(geo.num_heads, tokens, 1)
     lanes = jax.lax.broadcasted_iota(jnp.int32, (tokens, geo.num_heads), 1)

@@ -30,9 +30,21 @@ from gla_core.chunk.heads import (
     token_call,
 )
 from gla_core.chunk.step_math import backward_step, run_gradients
+from gla_core.token_major import heads_per_group
+
+# Chunks of 128 and more: all heads' [C, C] temporaries at once need more scoped VMEM than the budget.
+SPLIT_HEADS_FROM_CHUNK = 128
 
 
-def _backward_kernel(*refs, geo: TokenGeometry, has_dht, has_dh0, scale, dtype, anchor_range):
+def head_groups(geo: TokenGeometry, group: int) -> int:
+    """How many groups of heads the backward kernel takes one after the other in a grid step: two
+    for a per-key gate at chunks of `SPLIT_HEADS_FROM_CHUNK` or more when the heads split into halves
+    of whole `group`s (HeadRows' head pairs), else one."""
+    halves = geo.num_heads % (2 * group) == 0
+    return 2 if not geo.scalar_gate and geo.chunk >= SPLIT_HEADS_FROM_CHUNK and halves else 1
+
+
+def _backward_kernel(*refs, geo: TokenGeometry, has_dht, has_dh0, scale, dtype, anchor_range, groups: int):
     q_ref, k_ref, v_ref, do_ref, gate_ref = refs[:5]  # [1, n*C*H, D] blocks (gate float32)
     states_ref, scores_ref = refs[5:7]  # [n, H, V, K] float32, [n, H, C, C]
     dht_ref = refs[7] if has_dht else None  # [H, V, K] float32
@@ -46,28 +58,46 @@ def _backward_kernel(*refs, geo: TokenGeometry, has_dht, has_dh0, scale, dtype, 
     def _start():
         grad_ref[...] = dht_ref[...] if has_dht else jnp.zeros(grad_ref.shape, jnp.float32)
 
-    q = load_heads(q_ref, geo, jnp.float32)  # [H*n, C, K]
-    k = load_heads(k_ref, geo, jnp.float32)
-    v, do = load_heads(v_ref, geo), load_heads(do_ref, geo)  # [H*n, C, V]
-    gates = load_gate(gate_ref, geo, q.shape[-1])  # [H*n, C, K] float32
+    size = geo.num_heads // groups
+    for first in range(0, geo.num_heads, size):
+        _heads_backward(
+            range(first, first + size),
+            (q_ref, k_ref, v_ref, do_ref, gate_ref, states_ref, scores_ref, table_ref),
+            (dq_ref, dk_ref, dv_ref, da_ref, dh0_ref, grad_ref),
+            geo=geo,
+            scale=scale,
+            dtype=dtype,
+            anchor_range=anchor_range,
+        )
+
+
+def _heads_backward(heads: range, inputs, outputs, *, geo: TokenGeometry, scale, dtype, anchor_range):
+    """The backward of one grid step for the heads `heads` (every head, or a group of whole head pairs)."""
+    q_ref, k_ref, v_ref, do_ref, gate_ref, states_ref, scores_ref, table_ref = inputs
+    dq_ref, dk_ref, dv_ref, da_ref, dh0_ref, grad_ref = outputs
+    own = pl.ds(heads.start, len(heads))
+    q = load_heads(q_ref, geo, jnp.float32, heads)  # [h*n, C, K]
+    k = load_heads(k_ref, geo, jnp.float32, heads)
+    v, do = load_heads(v_ref, geo, heads=heads), load_heads(do_ref, geo, heads=heads)  # [h*n, C, V]
+    gates = load_gate(gate_ref, geo, q.shape[-1], heads)  # [h*n, C, K] float32
     a = gates.reshape(-1, gates.shape[-1])
     decays = StepDecays(a, table_ref, geo.chunk, anchor_range if anchor_range > 0 else None)
-    states = heads_first(states_ref[...])  # [H*n, V, K]
-    scores = heads_first(scores_ref[...])  # [H*n, C, C]
-    result = backward_step(decays, q, k, do, scores, grad_ref[...], scale=scale, dtype=dtype)
-    grad_ref[...] = result.end
-    store_heads(dv_ref, result.dv, geo)
+    states = heads_first(states_ref[:, own])  # [h*n, V, K]
+    scores = heads_first(scores_ref[:, own])  # [h*n, C, C]
+    result = backward_step(decays, q, k, do, scores, grad_ref[own], scale=scale, dtype=dtype)
+    grad_ref[own] = result.end
+    store_heads(dv_ref, result.dv, geo, heads)
 
-    if has_dh0:
+    if dh0_ref is not None:
 
-        @pl.when(step == pl.num_programs(1) - 1)
+        @pl.when(pl.program_id(1) == pl.num_programs(1) - 1)
         def _initial():
-            dh0_ref[...] = result.end
+            dh0_ref[own] = result.end
 
     def write(dq, dk, da):
-        store_heads(dq_ref, dq, geo)
-        store_heads(dk_ref, dk, geo)
-        store_gate_grad(da_ref, da, geo)
+        store_heads(dq_ref, dq, geo, heads)
+        store_heads(dk_ref, dk, geo, heads)
+        store_gate_grad(da_ref, da, geo, heads)
 
     operands = (gates, q, k, v, do, states, result.grads, table_ref)
     run_gradients(decays, a, table_ref, operands, write, scale=scale, dtype=dtype, chunk=geo.chunk)
@@ -138,6 +168,7 @@ def token_bwd(
         scale=scale,
         dtype=dtype,
         anchor_range=anchor_range,
+        groups=head_groups(geo, heads_per_group(q.dtype)),
     )
     outs = token_call(kernel, geo, inputs, in_specs, out_shape, out_specs, cost=cost, name="chunk_bwd")
     dq, dk, dv, da = outs[:4]
