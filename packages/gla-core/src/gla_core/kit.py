@@ -29,6 +29,8 @@ The shared Pallas chunk kernels (simple_gla / gla) and their pieces
   the tile options of their implementations: BLOCK_V_OPTION, BLOCK_K_OPTION, BLOCK_CHUNKS_OPTION,
   BLOCK_SIZE_OPTIONS (those and the token-major step sizes), block_sizes_of, ANCHOR_RANGE_OPTION
   (the anchored fast path), KERNEL_CHUNK_OPTION and kernel_chunk_of (the kernels' chunk)
+The per-key gated intra-chunk products (also kda's)
+  StepDecays, default_anchor_range, AnchoredProducts, LevelProducts, mask_table_inputs
 Kernels on the op's own token-major layout (no transposed copies)
   merge_heads, split_heads (the free [B, T*H, D] view), HeadRows, heads_per_group (per-head rows of a block),
   chunk_cumsum, two_sum, floor_cumsum_gates, CUMSUM_GATE_FLOOR (compensated in-kernel cumulative log decays)
@@ -44,7 +46,7 @@ Checks for TPU without a TPU (tests)
 from gla_core import decode, varlen
 from gla_core.adapters import STATE_POOL_REASON, declining_state_pool, swap_state_axes, with_state_layout
 from gla_core.chunk import BlockSizes, chunk_gated_attention, prepare
-from gla_core.chunk.anchored import ANCHOR_RANGE_OPTION
+from gla_core.chunk.anchored import ANCHOR_RANGE_OPTION, StepDecays, default_anchor_range
 from gla_core.chunk.bwd_dqkg import chunk_bwd_dqkg
 from gla_core.chunk.common import (
     BATCHED_NN,
@@ -72,8 +74,9 @@ from gla_core.chunk.common import (
 from gla_core.chunk.cumsum import CUMSUM_GATE_FLOOR, chunk_cumsum, floor_cumsum_gates, two_sum
 from gla_core.chunk.empty import empty_attention, has_no_tokens
 from gla_core.chunk.fwd_h import chunk_fwd_h
-from gla_core.chunk.gates import GATE_FLOOR, ChunkMasks, ScalarGate, floor_gates, intra_costs
+from gla_core.chunk.gates import GATE_FLOOR, ChunkMasks, ScalarGate, floor_gates, intra_costs, mask_table_inputs
 from gla_core.chunk.pipeline import ChunkConfig, KernelInputs, define_chunk_vjp, kernel_inputs, op_gradients
+from gla_core.chunk.products import AnchoredProducts, LevelProducts
 from gla_core.dispatch import dispatch_by_name
 from gla_core.hookspecs import hookimpl
 from gla_core.ops import (
@@ -157,6 +160,7 @@ __all__ = [
     "STATE_POOL_REASON",
     "STATE_V_FIRST",
     "TN",
+    "AnchoredProducts",
     "BlockSizes",
     "Call",
     "ChunkConfig",
@@ -168,9 +172,11 @@ __all__ = [
     "ImplOptions",
     "Implementation",
     "KernelInputs",
+    "LevelProducts",
     "OpSpec",
     "Option",
     "ScalarGate",
+    "StepDecays",
     "attention_call",
     "attention_spec",
     "block_sizes_of",
@@ -189,6 +195,7 @@ __all__ = [
     "cost_estimate",
     "declining_state_pool",
     "decode",
+    "default_anchor_range",
     "define_chunk_vjp",
     "detect_races",
     "dispatch_by_name",
@@ -209,6 +216,7 @@ __all__ = [
     "is_concrete",
     "kernel_chunk_of",
     "kernel_inputs",
+    "mask_table_inputs",
     "merge_heads",
     "multiple_of",
     "mxu_dtype",

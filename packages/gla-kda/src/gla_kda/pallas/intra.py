@@ -19,10 +19,15 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from gla_core.chunk.anchored import StepDecays, default_anchor_range
-from gla_core.chunk.gates import mask_table_inputs
-from gla_core.chunk.products import AnchoredProducts, LevelProducts
-from gla_core.kit import fold_vmap, row_to_column
+from gla_core.kit import (
+    AnchoredProducts,
+    LevelProducts,
+    StepDecays,
+    default_anchor_range,
+    fold_vmap,
+    mask_table_inputs,
+    row_to_column,
+)
 from gla_kda.pallas import chunk_math as cm
 from gla_kda.pallas.config import KernelConfig, compiler_params, token_block
 
