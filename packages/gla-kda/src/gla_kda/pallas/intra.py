@@ -25,6 +25,7 @@ from gla_core.kit import (
     StepDecays,
     default_anchor_range,
     fold_vmap,
+    intra_costs,
     mask_table_inputs,
     row_to_column,
 )
@@ -69,10 +70,12 @@ def beta_index(b, j, t):
 
 
 def intra_cost(batch, heads, num_chunks, c, k, s, itemsize):
-    """Flops and bytes of `intra_kernel` over the whole grid."""
+    """Flops and bytes of `intra_kernel` over the whole grid: the two anchored gated products (gla-core's
+    `intra_costs`) and the blocked inverse."""
     steps = batch * heads * num_chunks
-    flops = steps * (2 * 2 * c * c * k + 3 * 2 * c * s * k + 2 * c * c * c + 2 * c * c * s)
-    transcendentals = steps * (s + c // s) * c * k
+    gate_flops, gate_transcendentals = intra_costs("key", c, k, products=2, anchored=True)
+    flops = steps * (gate_flops + 2 * c * c * c + 2 * c * c * s)
+    transcendentals = steps * gate_transcendentals
     bytes_accessed = steps * (2 * c * k * itemsize + c * k * 4 + c * 4 + 2 * c * c * 4)
     return pl.CostEstimate(flops=flops, transcendentals=transcendentals, bytes_accessed=bytes_accessed)
 
