@@ -357,8 +357,26 @@ def test_kernel_chunk_option_is_checked_and_set_by_the_v6e_table():
     with gla_core.use(backend="tpu", chip="v6e"):
         options = gla_core.explain("gla", **kwargs).options
     assert (options["kernel_chunk"], options["step_chunks"]) == (128, 16)
+    simple = testing.make_case("simple_gla", seq_len=8, key_dim=8, value_dim=8).kwargs()
+    with gla_core.use(backend="tpu", chip="v6e"):
+        options = gla_core.explain("simple_gla", impl=IMPL, **simple).options
+    assert (options["kernel_chunk"], options["step_chunks"]) == (128, 16)
     with gla_core.use(backend="tpu"):  # traced for no TPU chip: no table, the call's chunk_size
         assert gla_core.explain("gla", **kwargs).options["kernel_chunk"] is None
+
+
+@pytest.mark.parametrize("cu_seqlens", [None, [0, 100, 101, 256]])
+def test_simple_gla_at_kernel_chunk_128(cu_seqlens, interpret):
+    """v6e's table runs simple_gla's chunk kernels at chunks of 128: fixed length (token-major kernels)
+    and packed sequences (head-major kernels, one chunk per grid step), forward and gradients."""
+    case = testing.make_case(
+        "simple_gla", seq_len=256, gates=("g", "g_gamma"), cu_seqlens=cu_seqlens, chunk_size=32, seed=29, **H0_HT
+    )
+    fn = lambda **kwargs: gla_core.dispatch(
+        "simple_gla", impl=IMPL, interpret=interpret, impl_options={IMPL: {"kernel_chunk": 128}}, **kwargs
+    )
+    errors = testing.check_against_oracle(fn, case)
+    assert {"o", "final_state", "dq", "dg", "dg_gamma", "dinitial_state"} <= set(errors)
 
 
 def test_anchor_range_option_is_checked():
