@@ -27,6 +27,7 @@ from gla_ref.testing import TOLERANCES, assert_close
 
 TOL = TOLERANCES["float32_building_block"].output
 BF16X3_TOL = TOLERANCES["bfloat16x3_product"].output
+BF16X3_INVERSE_TOL = TOLERANCES["bfloat16x3_inverse"].output
 C, S, K = 64, 16, 32
 
 
@@ -208,6 +209,23 @@ def test_unit_lower_inverses_bf16_path(unroll):
     solve = jax.jit(lambda xs: cm.unit_lower_inverses(xs, cm.SubBlocks(C, S), unroll, jnp.bfloat16))
     for a, inverse in zip(mats, solve([jnp.asarray(a, jnp.float32) for a in mats]), strict=True):
         assert_close("(I + A)^-1 (bf16x3)", inverse, np.linalg.inv(np.eye(C) + a), BF16X3_TOL)
+
+
+@pytest.mark.parametrize("chunk", [16, 32, 48, 64, 128])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_unit_lower_inverse_of_kda_like_matrices(chunk, dtype):
+    """Akk as kda forms it (unit keys, beta 1, no decay), keys from nearly parallel to independent:
+    1, 2, 3, 4 and 8 sub-blocks (0 to 3 levels of joined blocks)."""
+    rng = np.random.default_rng(chunk)
+    tol = TOL if dtype == jnp.float32 else BF16X3_INVERSE_TOL
+    solve = jax.jit(lambda xs: cm.unit_lower_inverses(xs, cm.SubBlocks(chunk, S), True, dtype))
+    mats = []
+    for correlation in (0.0, 0.9, 0.99):
+        keys = correlation * rng.standard_normal(128) + (1 - correlation) * rng.standard_normal((chunk, 128))
+        keys /= np.linalg.norm(keys, axis=1, keepdims=True)
+        mats.append(np.tril(keys @ keys.T, -1))
+    for a, inverse in zip(mats, solve([jnp.asarray(a, jnp.float32) for a in mats]), strict=True):
+        assert_close("(I + Akk)^-1", inverse, np.linalg.inv(np.eye(chunk) + a), tol)
 
 
 @pytest.mark.parametrize(("trans_a", "trans_b"), [(False, False), (True, False), (False, True)])

@@ -155,6 +155,16 @@ TOLERANCES: dict[str, Tolerance] = {
             "lower-triangular inverse); 2^-14 = 6.1e-5 keeps 10x room and fails one bfloat16 pass (~2^-9)."
         ),
     ),
+    "bfloat16x3_inverse": Tolerance(
+        output=2.0**-12,
+        grad=2.0**-12,
+        reason=(
+            "a unit lower-triangular inverse (I + Akk)^-1 from bfloat16x3 products (gla-kda's bfloat16-input path) "
+            "of Akk formed from up to 128 nearly parallel unit keys, relative to max|ref|: the ~2^-16 product error "
+            "grows with the matrix's componentwise condition number (up to 280 there); measured 3.7e-5 (block "
+            "substitution: 3.3e-5); 2^-12 = 2.4e-4 keeps 6x room and fails one bfloat16 pass (~2^-9)."
+        ),
+    ),
     "float32_rearranged": Tolerance(
         output=1e-5,
         grad=1e-5,

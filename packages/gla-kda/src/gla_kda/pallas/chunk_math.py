@@ -50,20 +50,20 @@ def dot(a, b, dtype, *, trans_a: bool = False, trans_b: bool = False):
 
 
 def dot_bf16x3(a, b, *, trans_a: bool = False, trans_b: bool = False):
-    """`dot` of float32 a, b with float32 results from one bfloat16 product of three times the depth.
+    """`dot` of float32 a, b with float32 results from three bfloat16 products.
 
     Each operand is split into bfloat16 parts x = x_hi + x_lo (+ ~2^-16 |x|); the products
     hi*hi + lo*hi + hi*lo are exact and accumulate in float32, so the result carries a relative
     error of about 2^-16 (what lo*lo and the rest of the splits would add): the precision the
-    bfloat16-input path needs of a float32 intermediate, at a sixth of the matrix-unit passes of
-    Precision.HIGHEST.
+    bfloat16-input path needs of a float32 intermediate, at half the matrix-unit passes of
+    Precision.HIGHEST. Three products rather than one of the parts side by side: the chunk's
+    [C, C] operands (C = 64) would be joined at lane offsets that are not multiples of 128.
     """
     bf16 = jnp.bfloat16
     a_hi, b_hi = a.astype(bf16), b.astype(bf16)
     a_lo, b_lo = (a - a_hi.astype(F32)).astype(bf16), (b - b_hi.astype(F32)).astype(bf16)
-    a_parts = jnp.concatenate([a_hi, a_lo, a_hi], axis=0 if trans_a else 1)
-    b_parts = jnp.concatenate([b_hi, b_hi, b_lo], axis=1 if trans_b else 0)
-    return dot(a_parts, b_parts, bf16, trans_a=trans_a, trans_b=trans_b)
+    product = functools.partial(dot, dtype=bf16, trans_a=trans_a, trans_b=trans_b)
+    return (product(a_hi, b_hi) + product(a_lo, b_hi)) + product(a_hi, b_lo)
 
 
 def f32_dot(dtype):
@@ -447,32 +447,46 @@ def unit_lower_inverse(a, sb: SubBlocks, unroll: bool, dtype=F32):
     return unit_lower_inverses([a], sb, unroll, dtype)[0]
 
 
-def unit_lower_inverses(mats, sb: SubBlocks, unroll: bool, dtype=F32):
-    """(I + A)^-1 for each strictly lower-triangular A [C, C] float32, by blocked forward substitution.
+def _block_of(index, size: int):
+    """index // size for int32 indices >= 0 (a truncating division: `//` lowers through sign)."""
+    return jax.lax.div(index, jnp.int32(size))
 
-    Diagonal s x s blocks are eliminated row by row on the vector unit (all blocks at once),
-    then block rows are solved in order: T_b = T_bb (E_b - A_b,<b T_<b), with the float32
-    products of inputs of `dtype` (`f32_dot`). Each stage runs over every matrix before the
-    next one starts, so the matrices' dependency chains interleave.
+
+def unit_lower_inverses(mats, sb: SubBlocks, unroll: bool, dtype=F32):
+    """(I + A)^-1 for each strictly lower-triangular A [C, C] float32, by recursive blocking.
+
+    The s x s diagonal blocks are eliminated row by row on the vector unit (all blocks at once),
+    giving D = (I + A)^-1 on the block diagonal. Then blocks of w = s, 2s, 4s, ... rows are
+    joined in pairs: with A_w the part of A in the lower-left w x w quadrant of every 2w block,
+      D <- D - D (A_w D)
+    is the inverse on the 2w blocks ([[D1, 0], [-D2 A21 D1, D2]]), two float32 products per
+    level (`f32_dot` of inputs of `dtype`), ceil(log2(C / s)) levels. Each stage runs over
+    every matrix before the next one starts, so the matrices' dependency chains interleave.
     """
     c = sb.chunk
     mm = f32_dot(dtype)
+    row, col = iota((c, c), 0), iota((c, c), 1)
     a_diag = [jnp.where(sb.same_block(), a, 0.0) for a in mats]
-    a_off = [a - d for a, d in zip(mats, a_diag, strict=True)]
-    identity = eye_mask(c).astype(F32)
     start = sb.start(c)
-    col = iota((c, c), 1)
 
     # Right-looking elimination: once row p of every block is final, remove it from the rows below.
     def eliminate(p, inv_diag):
         a_col = [jnp.sum(jnp.where(col == start + p, d, 0.0), axis=1, keepdims=True) for d in a_diag]
         return [inv - ac * sb.broadcast_row(inv, p) for inv, ac in zip(inv_diag, a_col, strict=True)]
 
-    inv_diag = _loop(sb.sub - 1, eliminate, [identity for _ in mats], unroll)
-    slabs = [[sb.rows(inv, r) for r in range(sb.count)] for inv in inv_diag]
-    for r in range(1, sb.count):
-        for own, off, inv in zip(slabs, a_off, inv_diag, strict=True):
-            rhs = sb.rows(identity, r) - mm(sb.rows(off, r), jnp.concatenate(own, axis=0))
-            padded = sb.stack([rhs if b == r else None for b in range(sb.count)], c)
-            own[r] = mm(sb.rows(inv, r), padded)
-    return [own[0] if sb.count == 1 else jnp.concatenate(own, axis=0) for own in slabs]
+    inverses = _loop(sb.sub - 1, eliminate, [eye_mask(c).astype(F32) for _ in mats], unroll)
+    width = sb.sub
+    while width < c:
+        same_pair = _block_of(row, 2 * width) == _block_of(col, 2 * width)
+        quadrant = same_pair & (_block_of(row, width) != _block_of(col, width))
+        coupled = [mm(jnp.where(quadrant, a, 0.0), d) for a, d in zip(mats, inverses, strict=True)]
+        inverses = [d - mm(d, x) for d, x in zip(inverses, coupled, strict=True)]
+        width *= 2
+    return inverses
+
+
+def unit_lower_inverse_flops(c: int, s: int) -> int:
+    """Flops of `unit_lower_inverses` for one [C, C] matrix: the elimination of the s x s diagonal
+    blocks and two [C, C] products per level of joined blocks."""
+    levels = (c // s - 1).bit_length()
+    return 2 * c * c * s + levels * 2 * (2 * c * c * c)

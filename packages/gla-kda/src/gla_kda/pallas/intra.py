@@ -3,7 +3,7 @@
 Per chunk (C tokens of the user's q/k/g, read in place through token-major views, G the
 within-chunk cumsum of the cleaned decay, `chunk_math.clean_log_decay`):
   Akk_ij = beta_i sum_d k_id k_jd exp(G_id - G_jd)          j < i   (strictly lower)
-  Tinv   = (I + Akk)^-1                                       (blocked forward substitution)
+  Tinv   = (I + Akk)^-1                                       (recursively blocked inverse)
   Aqk_ij = scale sum_d q_id k_jd exp(G_id - G_jd)           j <= i
 The gated products are gla-core's (`gla_core.chunk.products`): one matrix product each from the
 anchored factors e^{+-D} of all n chunks of the step, recomputed exactly with the level products
@@ -39,7 +39,7 @@ def intra_kernel(q_ref, k_ref, g_ref, beta_ref, table_ref, tinv_ref, aqk_ref, *,
     tinv, aqk [n*C, C] float32.
 
     The chunks are independent; their (I + Akk)^-1 are solved together (`unit_lower_inverses`)
-    so that the serial chains of the substitution interleave.
+    so that their serial chains interleave.
     """
     sb = cm.SubBlocks(config.blocks.chunk_size, config.blocks.sub_chunk)
     c, n = sb.chunk, beta_ref.shape[0]
@@ -74,7 +74,7 @@ def intra_cost(batch, heads, num_chunks, c, k, s, itemsize):
     `intra_costs`) and the blocked inverse."""
     steps = batch * heads * num_chunks
     gate_flops, gate_transcendentals = intra_costs("key", c, k, products=2, anchored=True)
-    flops = steps * (gate_flops + 2 * c * c * c + 2 * c * c * s)
+    flops = steps * (gate_flops + cm.unit_lower_inverse_flops(c, s))
     transcendentals = steps * gate_transcendentals
     bytes_accessed = steps * (2 * c * k * itemsize + c * k * 4 + c * 4 + 2 * c * c * 4)
     return pl.CostEstimate(flops=flops, transcendentals=transcendentals, bytes_accessed=bytes_accessed)
