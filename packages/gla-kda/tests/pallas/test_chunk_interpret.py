@@ -20,6 +20,8 @@ import pytest
 
 import gla_core
 from gla_core.errors import HigherOrderDerivativeError
+from gla_kda.pallas.config import BlockSizes
+from gla_kda.pallas.state import heads_per_step
 from gla_ref.testing import (
     TOLERANCES,
     assert_close,
@@ -65,7 +67,33 @@ CASES = {
         output_final_state=True,
     ),
     "bf16_h0_ht": dict(seq_len=128, dtype=jnp.bfloat16, initial_state=True, output_final_state=True),
+    # The forward state kernel takes several value heads per grid step (`state_heads_per_step`;
+    # `test_state_heads_per_step` checks the counts): H=6 -> 3 heads per step, two blocks of heads,
+    # and 10 chunks of 16 -> 5 chunks per step, two sequential time steps.
+    "state_3_heads_per_step_2_time_steps_batch2_h0_ht": dict(
+        batch=2, seq_len=160, num_heads=6, chunk_size=16, initial_state=True, output_final_state=True
+    ),
+    # Packed sequences: one chunk per step (a sequence starting mid-row), 4 heads per step.
+    "state_4_heads_per_step_varlen_h0_ht": dict(
+        seq_len=150,
+        num_heads=4,
+        cu_seqlens=[0, 21, 21, 150],
+        chunk_size=16,
+        initial_state=True,
+        output_final_state=True,
+    ),
+    # Value heads sharing q/k heads: one value head per step, over 2 time steps.
+    "state_grouped_x2_one_head_per_step_2_time_steps_h0_ht": dict(
+        seq_len=160, num_heads=2, num_value_heads=4, chunk_size=16, initial_state=True, output_final_state=True
+    ),
 }
+
+
+def test_state_heads_per_step():
+    """The value heads per state-kernel step of the cases above (default `state_heads_per_step`)."""
+    most = BlockSizes().state_heads_per_step
+    assert [heads_per_step(6, 1, most), heads_per_step(4, 1, most), heads_per_step(4, 2, most)] == [3, 4, 1]
+    assert [heads_per_step(16, 1, 4), heads_per_step(7, 1, 4), heads_per_step(1, 1, 4)] == [4, 1, 1]
 
 
 def _report(case, errors) -> str:

@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 
 from gla_core.kit import column_to_row, fold_vmap, row_to_column
 from gla_kda.pallas import chunk_math as cm
-from gla_kda.pallas.config import KernelConfig, compiler_params
+from gla_kda.pallas.config import KernelConfig, compiler_params, token_block
 
 
 def intra_bwd_kernel(
@@ -210,7 +210,8 @@ def launch_intra_bwd(q, k, v, g, g_lo, beta, tinv, h, dstate, ddelta, do, config
     Args:
       q, k: [B, H, Tp, K]; v, ddelta, do: [B, HV, Tp, V]; g, g_lo: [B, HV, Tp, K] float32
       sub-block-local decay cumsum (`layout.local_cumsum`);
-      beta: [B, HV, NT, 1, C]; tinv: [B, HV, Tp, C]; h, dstate: [B, HV, NT*K, V].
+      beta: [B, HV, NT, 1, C]; tinv: [B, HV, Tp, C]; h: [B, NT*K, HV*V] (`state.launch_state`: rows
+      n*K.. the state before chunk n, lanes j*V.. value head j); dstate: [B, HV, NT*K, V].
     Returns (float32): dq, dk, dg [B, HV, Tp, K] (per value head); dv [B, HV, Tp, V];
       dbeta [B, HV, NT, 1, C].
       Under `jax.vmap` the mapped axis folds into B (`gla_core.pallas_transforms.fold_vmap`).
@@ -230,6 +231,7 @@ def _launch_intra_bwd(q, k, v, g, g_lo, beta, tinv, h, dstate, ddelta, do, *, co
     key_spec = pl.BlockSpec((None, None, rows, key_dim), chunk_index)
     value_spec = pl.BlockSpec((None, None, rows, value_dim), chunk_index)
     state_spec = pl.BlockSpec((None, None, per_step * key_dim, value_dim), chunk_index)
+    h_spec = token_block(per_step * key_dim, value_dim)
     beta_spec = pl.BlockSpec((None, None, per_step, 1, c), beta_index)
     f32 = jnp.float32
     with jax.named_scope("kda_intra_bwd"):
@@ -244,7 +246,7 @@ def _launch_intra_bwd(q, k, v, g, g_lo, beta, tinv, h, dstate, ddelta, do, *, co
                 key_spec,
                 beta_spec,
                 pl.BlockSpec((None, None, rows, c), chunk_index),
-                state_spec,
+                h_spec,
                 state_spec,
                 value_spec,
                 value_spec,

@@ -52,7 +52,8 @@ def launch_output(q, g, h, delta, aqk, config: KernelConfig, out_dtype):
     Args:
       q: [B, Tp, H*K] (token-major, K a multiple of 128); g: [B, Tp, HV*K] float32 raw per-step
       log decays;
-      h: [B, HV, NT*K, V]; delta: [B, HV, Tp, V]; aqk: [B, HV, Tp, C] float32.
+      h: [B, NT*K, HV*V] (rows n*K.. the state before chunk n, lanes j*V.. value head j) and
+      delta: [B, Tp, HV*V] (token-major), both from `state.launch_state`; aqk: [B, HV, Tp, C] float32.
       Under `jax.vmap` the mapped axis folds into B (`gla_core.pallas_transforms.fold_vmap`).
     """
     launch = functools.partial(_launch_output, config=config, out_dtype=out_dtype)
@@ -60,8 +61,8 @@ def launch_output(q, g, h, delta, aqk, config: KernelConfig, out_dtype):
 
 
 def _launch_output(q, g, h, delta, aqk, *, config: KernelConfig, out_dtype):
-    batch, heads, padded_len, value_dim = delta.shape
-    key_dim = g.shape[2] // heads
+    batch, heads, padded_len = aqk.shape[:3]
+    key_dim, value_dim = g.shape[2] // heads, delta.shape[2] // heads
     c = config.blocks.chunk_size
     num_chunks = padded_len // c
     per_step = config.blocks.per_step(num_chunks)
@@ -73,8 +74,8 @@ def _launch_output(q, g, h, delta, aqk, *, config: KernelConfig, out_dtype):
             in_specs=[
                 token_block(rows, key_dim, config.group),
                 token_block(rows, key_dim),
-                pl.BlockSpec((None, None, per_step * key_dim, value_dim), chunk_index),
-                pl.BlockSpec((None, None, rows, value_dim), chunk_index),
+                token_block(per_step * key_dim, value_dim),
+                token_block(rows, value_dim),
                 pl.BlockSpec((None, None, rows, c), chunk_index),
             ],
             out_specs=token_block(rows, value_dim),

@@ -8,6 +8,16 @@ cumsum of the decay (assembled from its sub-block-local form by `chunk_math.Deca
   S <- exp(G_last) * S + (k * exp(G_last - G))^T delta                  (decay rows of S)
 It stores S before every chunk (h) and optionally delta and the final state of each sequence.
 
+A grid step takes m value heads (`BlockSizes.state_heads_per_step`): their chains of dependent
+products are independent, so the scheduler interleaves them (one head per step leaves the matrix
+unit waiting on each chain's latency). The per-step blocks are chosen so libtpu's static cost
+model estimates the kernel: h and delta are stored token-major ([B, NT*K, HV*V], [B, Tp, HV*V]:
+a step writes one [rows, m*V] block, like the k/v/g blocks it reads), and beta, whose
+head-major layout is shared with the other kernels, is read as m one-head blocks. Blocks of m
+heads of the head-major beta, h or delta ([m, rows, ...] blocks moving along the sequential time
+axis) make libtpu's static profile estimate 0 cycles for the whole kernel once the grid has two
+time steps.
+
 Varlen: scalar-prefetched per-chunk metadata says where sequences start (reset S to that
 sequence's initial state) and end (write its final state); block index maps pick the
 sequence's initial/final state with it.
@@ -23,7 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from gla_core.kit import fold_vmap, row_to_column
+from gla_core.kit import KERNEL_VMEM_BUDGET_BYTES, fold_vmap, row_to_column
 from gla_kda.pallas import chunk_math as cm
 from gla_kda.pallas.config import KernelConfig, compiler_params, token_block
 
@@ -49,26 +59,29 @@ def advance_state(k, decays: cm.Decays, delta, state, dtype):
     return row_to_column(jnp.exp(decays.total)) * state + cm.dot(k_to_end, delta, dtype, trans_a=True)
 
 
-def state_kernel(first_ref, last_ref, seq_ref, *refs, config: KernelConfig, outputs: StateOutputs):
-    """Blocks of n consecutive chunks of one sequence: k [n*C, K]; v [n*C, V] (input dtype); g [n*C, K]
-    raw per-step log decays (cleaned and cumsummed here, `chunk_math.Decays.of_steps`);
-    beta [n, 1, C]; tinv [n*C, C]; h0 [K, V].
+def state_kernel(first_ref, last_ref, seq_ref, *refs, config: KernelConfig, outputs: StateOutputs, heads: int):
+    """Blocks of n consecutive chunks of one sequence and m = `heads` value heads (head i of the
+    step at lanes i*K.. / i*V..): k [n*C, m*K]; v [n*C, m*V] (input dtype); g [n*C, m*K] raw
+    per-step log decays (cleaned and cumsummed here, `chunk_math.Decays.of_steps`); m refs
+    beta [n, 1, C] (one per head); tinv [m, n*C, C]; h0 [m, K, V].
 
-    Outputs: h [n*K, V] (the state before each chunk), delta [n*C, V], ht [K, V]; scratch state [K, V] f32.
-    Only the step's first chunk may start its sequence and only its last may end it (the launcher
-    takes one chunk per step when sequences are packed).
+    Outputs: h [n*K, m*V] (the state before each chunk), delta [n*C, m*V], ht [m, K, V]; scratch
+    states [m, K, V] float32. Only the step's first chunk may start its sequence and only its last
+    may end it (the launcher takes one chunk per step when sequences are packed).
     """
     del seq_ref
     refs = list(refs)
-    k_ref, v_ref, g_ref, beta_ref, tinv_ref = refs[:5]
-    h0_ref = refs[5] if outputs.has_initial_state else None
-    rest = refs[5 + outputs.has_initial_state :]
+    k_ref, v_ref, g_ref = refs[:3]
+    beta_refs = refs[3 : 3 + heads]
+    tinv_ref = refs[3 + heads]
+    rest = refs[4 + heads :]
+    h0_ref = rest.pop(0) if outputs.has_initial_state else None
     h_ref = rest.pop(0)
     delta_ref = rest.pop(0) if outputs.emit_delta else None
     ht_ref = rest.pop(0) if outputs.emit_final_state else None
     (state_ref,) = rest
-    per_step = beta_ref.shape[0]
-    c, key_dim = config.blocks.chunk_size, k_ref.shape[-1]
+    per_step = beta_refs[0].shape[0]
+    c, key_dim, value_dim = config.blocks.chunk_size, state_ref.shape[1], state_ref.shape[2]
     sb = cm.SubBlocks(c, config.blocks.sub_chunk)
     t = pl.program_id(2)
 
@@ -79,35 +92,56 @@ def state_kernel(first_ref, last_ref, seq_ref, *refs, config: KernelConfig, outp
         else:
             state_ref[...] = h0_ref[...].astype(cm.F32)
 
-    state = state_ref[...]
+    states = [state_ref[i] for i in range(heads)]
     for n in range(per_step):
         rows = pl.ds(n * c, c)
-        h_ref[pl.ds(n * key_dim, key_dim), :] = state.astype(h_ref.dtype)
-        k = cm.finite(k_ref[rows, :])
-        decays = cm.Decays.of_steps(g_ref[rows, :], sb)
-        beta = row_to_column(beta_ref[n])
-        delta = wy_delta(k, cm.finite(v_ref[rows, :]), decays, beta, tinv_ref[rows, :], state, config.mxu_dtype)
-        if delta_ref is not None:
-            delta_ref[rows, :] = delta.astype(delta_ref.dtype)
-        state = advance_state(k, decays, delta, state, config.mxu_dtype)
-    state_ref[...] = state
+        for i in range(heads):  # independent chains: the scheduler interleaves them
+            keys, values = pl.ds(i * key_dim, key_dim), pl.ds(i * value_dim, value_dim)
+            h_ref[pl.ds(n * key_dim, key_dim), values] = states[i].astype(h_ref.dtype)
+            k = cm.finite(k_ref[rows, keys])
+            decays = cm.Decays.of_steps(g_ref[rows, keys], sb)
+            beta = row_to_column(beta_refs[i][n])
+            v = cm.finite(v_ref[rows, values])
+            delta = wy_delta(k, v, decays, beta, tinv_ref[i, rows, :], states[i], config.mxu_dtype)
+            if delta_ref is not None:
+                delta_ref[rows, values] = delta.astype(delta_ref.dtype)
+            states[i] = advance_state(k, decays, delta, states[i], config.mxu_dtype)
+    for i in range(heads):
+        state_ref[i] = states[i]
     if ht_ref is not None:
 
         @pl.when(last_ref[t * per_step + per_step - 1] == 1)
         def _final():
-            ht_ref[...] = state
+            for i in range(heads):
+                ht_ref[i] = states[i]
+
+
+def heads_per_step(value_heads: int, group: int, most: int) -> int:
+    """Value heads per grid step of the state recurrence: the largest divisor of `value_heads` not
+    above `most`, or 1 when value heads share q/k heads (`group` > 1: the k block of a step is then
+    not one slab of consecutive heads)."""
+    if group > 1:
+        return 1
+    return max(m for m in range(1, min(most, value_heads) + 1) if value_heads % m == 0)
 
 
 def chunk_index(b, j, t, *_):
     return (b, j, t, 0)
 
 
-def beta_index(b, j, t, *_):
-    return (b, j, t, 0, 0)
+def head_beta_index(head: int, heads: int):
+    """Index map of the [n, 1, C] beta block ([B, HV, NT, 1, C]) of head `head` of the `heads` value
+    heads of grid step (b, j, t): value head j * heads + head, chunks t*n.."""
+
+    def index(b, j, t, *_):
+        return (b, j * heads + head, t, 0, 0)
+
+    return index
 
 
 def sequence_index(b, j, t, first_ref, last_ref, seq_ref, *, states_per_row: int, per_step: int):
-    """Initial/final state block of the sequence owning step t's chunks: sequence seq[t * per_step] of batch row b."""
+    """Initial/final state block of the sequence owning step t's chunks: sequence seq[t * per_step] of
+    batch row b (j: the step's block of value heads)."""
     return (b * states_per_row + seq_ref[t * per_step], j, 0, 0)
 
 
@@ -129,7 +163,8 @@ def launch_state(k, v, g, beta, tinv, h0, meta, config: KernelConfig, outputs: S
       h0: [N, HV, K, V] float32 or None; meta: `ChunkMeta` (first, last, seq int32 [NT]).
       states_per_row: N / B (1, or the number of packed sequences of the one varlen row).
     Returns:
-      (h [B, HV, NT*K, V], delta [B, HV, Tp, V] or None, ht [N, HV, K, V] float32 or None).
+      (h [B, NT*K, HV*V] (rows n*K.. hold the state before chunk n; lanes j*V.. value head j),
+      delta [B, Tp, HV*V] (token-major) or None, ht [N, HV, K, V] float32 or None).
       Under `jax.vmap` the mapped axis folds into B and N (`gla_core.pallas_transforms.fold_vmap`).
     """
     launch = functools.partial(_launch_state, config=config, outputs=outputs, states_per_row=states_per_row)
@@ -145,42 +180,43 @@ def _launch_state(k, v, g, beta, tinv, h0, first, last, seq, *, config, outputs,
     num_states = batch * states_per_row
     per_step = 1 if states_per_row > 1 else config.blocks.per_step(num_chunks)
     rows = per_step * c
+    m = heads_per_step(heads, config.group, config.blocks.state_heads_per_step)
     state_spec = pl.BlockSpec(
-        (None, None, key_dim, value_dim),
+        (None, m, key_dim, value_dim),
         functools.partial(sequence_index, states_per_row=states_per_row, per_step=per_step),
     )
     in_specs = [
-        token_block(rows, key_dim, config.group),
-        token_block(rows, value_dim),
-        token_block(rows, key_dim),
-        pl.BlockSpec((None, None, per_step, 1, c), beta_index),
-        pl.BlockSpec((None, None, rows, c), chunk_index),
+        token_block(rows, m * key_dim, config.group),
+        token_block(rows, m * value_dim),
+        token_block(rows, m * key_dim),
+        *(pl.BlockSpec((None, None, per_step, 1, c), head_beta_index(i, m)) for i in range(m)),
+        pl.BlockSpec((None, m, rows, c), chunk_index),
     ]
-    args = [k, v, g, beta, tinv]
+    args = [k, v, g, *(beta,) * m, tinv]
     if outputs.has_initial_state:
         in_specs.append(state_spec)
         args.append(h0)
-    out_specs = [pl.BlockSpec((None, None, per_step * key_dim, value_dim), chunk_index)]
-    out_shape = [jax.ShapeDtypeStruct((batch, heads, num_chunks * key_dim, value_dim), config.store_dtype)]
+    out_specs = [token_block(per_step * key_dim, m * value_dim)]
+    out_shape = [jax.ShapeDtypeStruct((batch, num_chunks * key_dim, heads * value_dim), config.store_dtype)]
     if outputs.emit_delta:
-        out_specs.append(pl.BlockSpec((None, None, rows, value_dim), chunk_index))
-        out_shape.append(jax.ShapeDtypeStruct((batch, heads, padded_len, value_dim), config.store_dtype))
+        out_specs.append(token_block(rows, m * value_dim))
+        out_shape.append(jax.ShapeDtypeStruct((batch, padded_len, heads * value_dim), config.store_dtype))
     if outputs.emit_final_state:
         out_specs.append(state_spec)
         out_shape.append(jax.ShapeDtypeStruct((num_states, heads, key_dim, value_dim), jnp.float32))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
-        grid=(batch, heads, num_chunks // per_step),
+        grid=(batch, heads // m, num_chunks // per_step),
         in_specs=in_specs,
         out_specs=out_specs,
-        scratch_shapes=[pltpu.VMEM((key_dim, value_dim), jnp.float32)],
+        scratch_shapes=[pltpu.VMEM((m, key_dim, value_dim), jnp.float32)],
     )
     with jax.named_scope("kda_state"):
         results = pl.pallas_call(
-            functools.partial(state_kernel, config=config, outputs=outputs),
+            functools.partial(state_kernel, config=config, outputs=outputs, heads=m),
             grid_spec=grid_spec,
             out_shape=out_shape,
-            compiler_params=compiler_params(sequential_time=True),
+            compiler_params=compiler_params(sequential_time=True, vmem_limit_bytes=KERNEL_VMEM_BUDGET_BYTES),
             cost_estimate=state_cost(batch, heads, num_chunks, c, key_dim, value_dim, config.mxu_dtype.itemsize),
             interpret=config.interpret_arg,
             name="kda_state",
