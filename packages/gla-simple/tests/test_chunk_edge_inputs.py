@@ -368,7 +368,7 @@ def test_kernel_chunk_option_is_checked_and_set_by_the_v6e_table():
 @pytest.mark.parametrize("cu_seqlens", [None, [0, 100, 101, 256]])
 def test_simple_gla_at_kernel_chunk_128(cu_seqlens, interpret):
     """v6e's table runs simple_gla's chunk kernels at chunks of 128: fixed length (token-major kernels)
-    and packed sequences (head-major kernels, one chunk per grid step), forward and gradients."""
+    and packed sequences (head-major kernels), forward and gradients."""
     case = testing.make_case(
         "simple_gla", seq_len=256, gates=("g", "g_gamma"), cu_seqlens=cu_seqlens, chunk_size=32, seed=29, **H0_HT
     )

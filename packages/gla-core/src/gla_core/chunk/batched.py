@@ -45,7 +45,7 @@ def causal_mask(chunks: int, chunk: int, strict: bool = False) -> jax.Array:
     return rows > cols if strict else rows >= cols
 
 
-def state_chain(start: jax.Array, decays: jax.Array, updates: jax.Array, reverse: bool = False):
+def state_chain(start: jax.Array, decays: jax.Array, updates: jax.Array, reverse: bool = False, edges=None):
     """The carried states through the chunks of a step: `S <- S * decays[i] + updates[i]`.
 
     Args:
@@ -53,6 +53,9 @@ def state_chain(start: jax.Array, decays: jax.Array, updates: jax.Array, reverse
       decays: `[G*n, 1, K]` per-key decay of each chunk; updates: `[G*n, Vt, K]` float32 (group g's
         n chunks are rows g*n .. g*n + n - 1).
       reverse: walk each group's chunks from the last to the first (state gradients).
+      edges: packed sequences starting and ending inside the step (`packed.ChainEdges`, one group):
+        a chunk that starts one sees its initial state, one that ends one emits its state after the
+        update; None (fixed length) for a chain without edges.
 
     Returns:
       (`[G*n, Vt, K]` the state each chunk sees before its own update, in chunk order; `[G, Vt, K]`
@@ -65,8 +68,12 @@ def state_chain(start: jax.Array, decays: jax.Array, updates: jax.Array, reverse
     seen = [None] * chunks
     state = start
     for i in reversed(range(chunks)) if reverse else range(chunks):
+        if edges is not None:
+            state = edges.restart(i, state)
         seen[i] = state
         state = state * decays[:, i] + updates[:, i]
+        if edges is not None:
+            edges.emit(i, state)
     return jnp.stack(seen, axis=1).reshape(groups * chunks, *start.shape[1:]), state
 
 

@@ -10,7 +10,8 @@ intra-chunk scores it kept and `G_c` the gradient of the state after the chunk, 
 so the state gradients never leave VMEM and the states are read once, where the split backward
 recomputes the states (`chunk_fwd_h`), writes every state gradient (`chunk_bwd_dh`) and reads both
 again. `G` is reset to the final-state gradient `dht[seq]` (or zero) at the last chunk of every
-sequence, and `dh0[seq]` is written after its first chunk.
+sequence, and `dh0[seq]` is written after its first chunk (packed sequences starting and ending
+inside a grid step: `packed`).
 
 A grid step takes its n chunks together (`step_math`): the state-gradient chain is elementwise,
 dv is exact, and dq, dk and the gate gradient take the anchored products; a step out of the
@@ -32,7 +33,8 @@ from gla_core.chunk.anchored import StepDecays
 from gla_core.chunk.batched import chunk_rows, load_per_chunk, store_chunk_rows
 from gla_core.chunk.common import mxu_dtype
 from gla_core.chunk.gates import intra_costs
-from gla_core.chunk.launch import carry_in, sequential_call
+from gla_core.chunk.launch import carry_in_step, sequential_call
+from gla_core.chunk.packed import ChainEdges
 from gla_core.chunk.specs import ChunkSpecs
 from gla_core.chunk.step_math import backward_step, run_gradients
 from gla_core.pallas_transforms import fold_vmap
@@ -51,28 +53,33 @@ def _bwd_kernel(
     chunk,
     chunks_per_step,
     anchor_range,
+    packed,
 ):
     q_ref, k_ref, v_ref, do_ref, gate_ref = refs[:5]  # [n*C, K], [n*C, K], [n*C, V], [n*C, V], [n*C, K] float32
     h_ref, scores_ref = refs[5:7]  # [n, V, K] float32, [n, C, C] ([V, K], [C, C] for n = 1)
-    dht_ref = refs[7] if has_dht else None  # [V, K]
+    dht_ref = refs[7] if has_dht else None  # [V, K] (packed: [N, H, V, K] in HBM)
     table_ref = refs[7 + has_dht]  # the key mask table
     dq_ref, dk_ref, dv_ref, da_ref = refs[8 + has_dht : 12 + has_dht]  # time rows of q, k, v, gate
-    dh0_ref = refs[12 + has_dht] if has_dh0 else None  # [V, K]
+    dh0_ref = refs[12 + has_dht] if has_dh0 else None  # [V, K] (packed: [N, H, V, K] in HBM)
     grad_ref = refs[-1]  # VMEM scratch [V, K] float32: the gradient of the state after the step
     n = chunks_per_step
     walked = pl.program_id(3) * n  # chunks after this step's
     last_chunk = num_chunks - 1 - walked
-    carry_in(grad_ref, walked, last_ref[last_chunk] == 1, dht_ref)
+    carry_in_step(grad_ref, walked, last_ref[last_chunk] == 1, dht_ref, packed is not None)
+    edges = None
+    if packed is not None:  # walking backwards, a sequence starts at its last chunk and ends at its first
+        edges = ChainEdges(packed.states(last_ref, first_ref, seq_ref, dht_ref, dh0_ref), grad_ref, last_chunk - n + 1)
     a = gate_ref[...]
     decays = StepDecays(a, table_ref, chunk, anchor_range if anchor_range > 0 else None)
     q, k = chunk_rows(q_ref, n, jnp.float32), chunk_rows(k_ref, n, jnp.float32)  # [n, C, K]
     v, do = chunk_rows(v_ref, n), chunk_rows(do_ref, n)  # [n, C, V]
     states = load_per_chunk(h_ref, n)  # [n, V, K]
-    step = backward_step(decays, q, k, do, load_per_chunk(scores_ref, n), grad_ref[...][None], scale=scale, dtype=dtype)
+    scores = load_per_chunk(scores_ref, n)
+    step = backward_step(decays, q, k, do, scores, grad_ref[...][None], scale=scale, dtype=dtype, edges=edges)
     grad_ref[...] = step.end[0]
     store_chunk_rows(dv_ref, step.dv)
 
-    if has_dh0:
+    if has_dh0 and edges is None:
 
         @pl.when(first_ref[last_chunk - n + 1] == 1)
         def _initial():
@@ -153,6 +160,7 @@ def _launch(
         chunk=c,
         chunks_per_step=specs.chunks_per_step,
         anchor_range=anchor_range,
+        packed=specs.packed_layout(),
     )
     gate_flops, transcendentals = intra_costs("key", c, kdim, products=2, anchored=True)
     # per chunk: the state-gradient update, dv (from the state gradient and the scores), dq/dk inter,

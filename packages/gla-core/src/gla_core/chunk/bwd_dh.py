@@ -6,7 +6,8 @@ With `G_c = d loss / d S_{c+1}` (the gradient of the state a chunk produces):
 
 `G` is reset to the final-state gradient `dht[seq]` (or zero) at the last chunk of every
 sequence, and the gradient of the initial state `dh0[seq]` is written after its first
-chunk. The time grid axis runs backwards through the index maps (no flipped copies).
+chunk (packed sequences starting and ending inside a grid step: `packed`). The time grid axis runs
+backwards through the index maps (no flipped copies).
 Gradients are float32 and stored transposed, `[V, K]`. Per-key gates take all chunks of a grid
 step at once (`_bwd_dh_step_kernel`, see `batched`).
 """
@@ -22,7 +23,8 @@ from gla_core.chunk.anchored import StepDecays
 from gla_core.chunk.batched import chunk_rows, state_chain, store_per_chunk
 from gla_core.chunk.common import BATCHED_TN, TN, dot, mxu_dtype
 from gla_core.chunk.gates import ScalarGate
-from gla_core.chunk.launch import carry_in, launch_state_pass, step_edges
+from gla_core.chunk.launch import carry_in_chunk, carry_in_step, carry_out_chunk, launch_state_pass, step_edges
+from gla_core.chunk.packed import ChainEdges
 from gla_core.chunk.specs import ChunkSpecs
 from gla_core.pallas_transforms import fold_vmap
 
@@ -38,56 +40,57 @@ def _bwd_dh_kernel(
     num_chunks,
     dtype,
     chunks_per_step,
+    packed,
     chunk_in_step,
 ):
     q_ref, do_ref, gate_ref = refs[:3]  # [C, K], [C, Vt], [1, C]
-    dht_ref = refs[3] if has_dht else None  # [Vt, K]
+    dht_ref = refs[3] if has_dht else None  # [Vt, K] (packed: [N, H, V, K] in HBM)
     outs = refs[3 + has_dht :]
     dh_ref = outs[0]  # [Vt, K] gradient of the state after this chunk
-    dh0_ref = outs[1] if has_dh0 else None  # [Vt, K]
+    dh0_ref = outs[1] if has_dh0 else None  # [Vt, K] (packed: [N, H, V, K] in HBM)
     grad_ref = outs[-1]  # VMEM scratch [Vt, K] float32
+    # walking backwards, a sequence starts at its last chunk and ends at its first
+    sequences = packed.states(last_ref, first_ref, seq_ref, dht_ref, dh0_ref) if packed is not None else None
     walked = pl.program_id(3) * chunks_per_step + (chunks_per_step - 1 - chunk_in_step)  # chunks before this one
     c = num_chunks - 1 - walked  # the chunk
     opens_step, closes_step = step_edges(chunk_in_step, chunks_per_step, reverse=True)
-    if opens_step:
-        carry_in(grad_ref, walked, last_ref[c] == 1, dht_ref)
+    carry_in_chunk(grad_ref, walked, c, opens_step, last_ref, dht_ref, sequences)
     grad = grad_ref[...]
     dh_ref[...] = grad
     gate = ScalarGate(gate_ref[...], dtype)
     q_decayed = q_ref[...].astype(jnp.float32) * gate.from_start()  # [C, K]
     grad = grad * gate.last_decay() + scale * dot(do_ref[...], q_decayed, TN, dtype)
     grad_ref[...] = grad
-
-    if has_dh0 and closes_step:
-
-        @pl.when(first_ref[c] == 1)
-        def _initial():
-            dh0_ref[...] = grad
+    carry_out_chunk(grad_ref, grad, c, closes_step, first_ref, dh0_ref, sequences)
 
 
 def _bwd_dh_step_kernel(
-    first_ref, last_ref, seq_ref, *refs, has_dht, has_dh0, scale, num_chunks, dtype, chunk, chunks_per_step
+    first_ref, last_ref, seq_ref, *refs, has_dht, has_dh0, scale, num_chunks, dtype, chunk, chunks_per_step, packed
 ):
     q_ref, do_ref, gate_ref = refs[:3]  # [n*C, K], [n*C, Vt], [n*C, K] float32
-    dht_ref = refs[3] if has_dht else None  # [Vt, K]
+    dht_ref = refs[3] if has_dht else None  # [Vt, K] (packed: [N, H, V, K] in HBM)
     table_ref = refs[3 + has_dht]  # the key mask table
     outs = refs[4 + has_dht :]
     dh_ref = outs[0]  # [n, Vt, K] ([Vt, K] for n = 1): the gradient of the state after every chunk
-    dh0_ref = outs[1] if has_dh0 else None  # [Vt, K]
+    dh0_ref = outs[1] if has_dh0 else None  # [Vt, K] (packed: [N, H, V, K] in HBM)
     grad_ref = outs[-1]  # VMEM scratch [Vt, K] float32
     n = chunks_per_step
     walked = pl.program_id(3) * n  # chunks after this step's
     last_chunk = num_chunks - 1 - walked
-    carry_in(grad_ref, walked, last_ref[last_chunk] == 1, dht_ref)
+    carry_in_step(grad_ref, walked, last_ref[last_chunk] == 1, dht_ref, packed is not None)
+    edges = None
+    if packed is not None:  # walking backwards, a sequence starts at its last chunk and ends at its first
+        states = packed.states(last_ref, first_ref, seq_ref, dht_ref, dh0_ref)
+        edges = ChainEdges(states, grad_ref, last_chunk - n + 1)
     decays = StepDecays(gate_ref[...], table_ref, chunk)
     q = chunk_rows(q_ref, n, jnp.float32)  # [n, C, K]
     updates = scale * dot(chunk_rows(do_ref, n), q * decays.from_start, BATCHED_TN, dtype)  # [n, Vt, K]
-    grads, grad = state_chain(grad_ref[...][None], decays.last_decay, updates, reverse=True)  # one group
+    grads, grad = state_chain(grad_ref[...][None], decays.last_decay, updates, reverse=True, edges=edges)
     grad = grad[0]
     store_per_chunk(dh_ref, grads)
     grad_ref[...] = grad
 
-    if has_dh0:
+    if has_dh0 and edges is None:
 
         @pl.when(first_ref[last_chunk - n + 1] == 1)
         def _initial():
@@ -123,6 +126,7 @@ def _launch(q, do, gate, dht, first, last, sequence, *, specs: ChunkSpecs, scale
         num_chunks=specs.num_chunks,
         dtype=mxu_dtype(q.dtype),
         chunks_per_step=specs.chunks_per_step,
+        packed=specs.packed_layout(),
     )
     per_step = specs.gate_mode == "key"
     if per_step:

@@ -36,7 +36,8 @@ class BlockSizes:
       block_v: the largest value-dimension tile of the kernels that tile V (fwd, fwd_h,
         bwd_dh, bwd_dv; they see all of K).
       block_k: the largest key-dimension tile of the dq/dk/dgate kernel (it sees all of V).
-      block_chunks: the most chunks of one grid step of the forward (fixed-length inputs) and
+      block_chunks: the most chunks of one grid step of the sequential kernels (forward, states,
+        state gradients; packed sequences too) and
         of the parallel backward kernels (dv and dq/dk/dgate): a grid step costs ~350 cycles of
         its own (libtpu's static estimate, v6e), a fifth of a chunk's work at C = 64. On the
         token-major kernels, the most chunks per head of one grid step.
@@ -93,7 +94,7 @@ BLOCK_CHUNKS_OPTION = Option(
     "block_chunks",
     DEFAULT_BLOCK_SIZES.block_chunks,
     positive_int("block_chunks"),
-    "most chunks per grid step (every kernel; one per step in the recurrences of packed sequences)",
+    "most chunks per grid step (every kernel)",
     candidates=(1, 2, 4, 8),
 )
 

@@ -34,7 +34,8 @@ from gla_core.chunk.anchored import StepDecays
 from gla_core.chunk.batched import chunk_rows, store_chunk_rows, store_per_chunk
 from gla_core.chunk.common import NT, TN, causal_dot, dot, mxu_dtype
 from gla_core.chunk.gates import ScalarGate
-from gla_core.chunk.launch import carry_in, launch_output_pass, step_edges
+from gla_core.chunk.launch import carry_in_chunk, carry_in_step, carry_out_chunk, launch_output_pass, step_edges
+from gla_core.chunk.packed import ChainEdges
 from gla_core.chunk.specs import ChunkSpecs
 from gla_core.chunk.step_math import ForwardStep, run_forward
 from gla_core.pallas_transforms import fold_vmap
@@ -52,20 +53,21 @@ def _fwd_kernel(
     scale,
     dtype,
     chunks_per_step,
+    packed,
     chunk_in_step,
 ):
     q_ref, k_ref, v_ref, gate_ref = refs[:4]  # [C, K], [C, K], [C, Vt], [1, C]
-    h0_ref = refs[4] if has_h0 else None  # [Vt, K]
+    h0_ref = refs[4] if has_h0 else None  # [Vt, K] (packed: [N, H, V, K] in HBM)
     outs = refs[4 + has_h0 :]
     o_ref = outs[0]  # [C, Vt]
     scores_ref = outs[1] if has_scores else None  # [C, C]
     states_ref = outs[1 + has_scores] if has_states else None  # [Vt, K] the state before the chunk
-    ht_ref = outs[1 + has_scores + has_states] if has_ht else None  # [Vt, K]
+    ht_ref = outs[1 + has_scores + has_states] if has_ht else None  # [Vt, K] (packed: [N, H, V, K] in HBM)
     state_ref = refs[-1]  # VMEM scratch [Vt, K] float32
+    sequences = packed.states(first_ref, last_ref, seq_ref, h0_ref, ht_ref) if packed is not None else None
     t = pl.program_id(3) * chunks_per_step + chunk_in_step  # the chunk
     opens_step, closes_step = step_edges(chunk_in_step, chunks_per_step)
-    if opens_step:
-        carry_in(state_ref, t, first_ref[t] == 1, h0_ref)
+    carry_in_chunk(state_ref, t, t, opens_step, first_ref, h0_ref, sequences)
     state = state_ref[...]
     if has_states:
         states_ref[...] = state
@@ -80,12 +82,7 @@ def _fwd_kernel(
     k_decayed = k.astype(jnp.float32) * gate.to_end()  # [C, K]
     state = state * gate.last_decay() + dot(v, k_decayed, TN, dtype)
     state_ref[...] = state
-
-    if has_ht and closes_step:
-
-        @pl.when(last_ref[t] == 1)
-        def _final():
-            ht_ref[...] = state
+    carry_out_chunk(state_ref, state, t, closes_step, last_ref, ht_ref, sequences)
 
 
 def _step_kernel(
@@ -102,20 +99,24 @@ def _step_kernel(
     chunk,
     chunks_per_step,
     anchor_range,
+    packed,
 ):
     q_ref, k_ref, v_ref, gate_ref = refs[:4]  # [n*C, K], [n*C, K], [n*C, Vt], [n*C, K] float32
-    h0_ref = refs[4] if has_h0 else None  # [Vt, K]
+    h0_ref = refs[4] if has_h0 else None  # [Vt, K] (packed: [N, H, V, K] in HBM)
     table_ref = refs[4 + has_h0]  # the key mask table
     outs = refs[5 + has_h0 :]
     o_ref = outs[0]  # [n*C, Vt]
     scores_ref = outs[1] if has_scores else None  # [n, C, C] ([C, C] for n = 1)
     states_ref = outs[1 + has_scores] if has_states else None  # [n, Vt, K] ([Vt, K] for n = 1)
-    ht_ref = outs[1 + has_scores + has_states] if has_ht else None  # [Vt, K]
+    ht_ref = outs[1 + has_scores + has_states] if has_ht else None  # [Vt, K] (packed: [N, H, V, K] in HBM)
     state_ref = refs[-1]  # VMEM scratch [Vt, K] float32: the carried state
     n = chunks_per_step
     first_chunk = pl.program_id(3) * n
-    carry_in(state_ref, first_chunk, first_ref[first_chunk] == 1, h0_ref)
+    carry_in_step(state_ref, first_chunk, first_ref[first_chunk] == 1, h0_ref, packed is not None)
     start = state_ref[...][None]  # [1, Vt, K]: one group of n chunks
+    edges = None
+    if packed is not None:
+        edges = ChainEdges(packed.states(first_ref, last_ref, seq_ref, h0_ref, ht_ref), state_ref, first_chunk)
     a = gate_ref[...]
     q, k = chunk_rows(q_ref, n, jnp.float32), chunk_rows(k_ref, n, jnp.float32)  # [n, C, K]
     v = chunk_rows(v_ref, n)  # [n, C, Vt]
@@ -129,13 +130,13 @@ def _step_kernel(
             store_per_chunk(states_ref, step.states)
         state_ref[...] = step.end[0]
 
-        if has_ht:
+        if has_ht and edges is None:
 
             @pl.when(last_ref[first_chunk + n - 1] == 1)
             def _final():
                 ht_ref[...] = step.end[0]
 
-    run_forward(decays, a, table_ref, q, k, v, start, write, scale=scale, dtype=dtype, chunk=chunk)
+    run_forward(decays, a, table_ref, q, k, v, start, write, scale=scale, dtype=dtype, chunk=chunk, edges=edges)
 
 
 def chunk_fwd(
@@ -162,8 +163,8 @@ def chunk_fwd(
       gate: per-step log decays, float32: "scalar" mode [B, H, NT, 1, C] or "key" mode [B, H, Tp, K].
       h0: [N, H, V, K] float32 or None (N = B * specs.states_per_row).
       meta: `ChunkMeta` (first/last/sequence per chunk).
-      specs: V-tiled block shapes and index maps of this call (several chunks per grid step only
-        for fixed-length inputs: one per-sequence state per batch row).
+      specs: V-tiled block shapes and index maps of this call (packed sequences with several chunks
+        per grid step keep h0 and ht in HBM, see `packed`).
       output_final_state: also return the final states.
       keep_scores: also return every chunk's intra-chunk scores, for `chunk_bwd_dv`.
       keep_states: also return the state before every chunk, for `bwd.chunk_bwd`.
@@ -216,6 +217,7 @@ def _launch(
         has_states=keep_states,
         scale=scale,
         dtype=dtype,
+        packed=specs.packed_layout(),
     )
     per_step = specs.gate_mode == "key"
     if per_step:

@@ -6,7 +6,8 @@ Per chunk c (b_t the sum of the chunk's log decays through step t, L its last st
 
 with the state reset to `initial_state[seq]` at the first chunk of every sequence and the
 final state written at its last chunk (scalar-prefetched per-chunk metadata, see
-`prepare.ChunkMeta`). States are float32 and stored transposed, `[V, K]`. Per-key gates take
+`prepare.ChunkMeta`; packed sequences starting and ending inside a grid step: `packed`). States
+are float32 and stored transposed, `[V, K]`. Per-key gates take
 all chunks of a grid step at once (`_fwd_h_step_kernel`, see `batched`).
 """
 
@@ -21,56 +22,55 @@ from gla_core.chunk.anchored import StepDecays
 from gla_core.chunk.batched import chunk_rows, state_chain, store_per_chunk
 from gla_core.chunk.common import BATCHED_TN, TN, dot, mxu_dtype
 from gla_core.chunk.gates import ScalarGate
-from gla_core.chunk.launch import carry_in, launch_state_pass, step_edges
+from gla_core.chunk.launch import carry_in_chunk, carry_in_step, carry_out_chunk, launch_state_pass, step_edges
+from gla_core.chunk.packed import ChainEdges
 from gla_core.chunk.specs import ChunkSpecs
 from gla_core.pallas_transforms import fold_vmap
 
 
-def _fwd_h_kernel(first_ref, last_ref, seq_ref, *refs, has_h0, has_ht, dtype, chunks_per_step, chunk_in_step):
+def _fwd_h_kernel(first_ref, last_ref, seq_ref, *refs, has_h0, has_ht, dtype, chunks_per_step, packed, chunk_in_step):
     k_ref, v_ref, gate_ref = refs[:3]  # [C, K], [C, Vt], [1, C]
-    h0_ref = refs[3] if has_h0 else None  # [Vt, K]
+    h0_ref = refs[3] if has_h0 else None  # [Vt, K] (packed: [N, H, V, K] in HBM)
     outs = refs[3 + has_h0 :]
     h_ref = outs[0]  # [Vt, K] state before this chunk
-    ht_ref = outs[1] if has_ht else None  # [Vt, K]
+    ht_ref = outs[1] if has_ht else None  # [Vt, K] (packed: [N, H, V, K] in HBM)
     state_ref = outs[-1]  # VMEM scratch [Vt, K] float32
+    sequences = packed.states(first_ref, last_ref, seq_ref, h0_ref, ht_ref) if packed is not None else None
     t = pl.program_id(3) * chunks_per_step + chunk_in_step  # the chunk
     opens_step, closes_step = step_edges(chunk_in_step, chunks_per_step)
-    if opens_step:
-        carry_in(state_ref, t, first_ref[t] == 1, h0_ref)
+    carry_in_chunk(state_ref, t, t, opens_step, first_ref, h0_ref, sequences)
     state = state_ref[...]
     h_ref[...] = state
     gate = ScalarGate(gate_ref[...], dtype)
     k_decayed = k_ref[...].astype(jnp.float32) * gate.to_end()  # [C, K]
     state = state * gate.last_decay() + dot(v_ref[...], k_decayed, TN, dtype)
     state_ref[...] = state
-
-    if has_ht and closes_step:
-
-        @pl.when(last_ref[t] == 1)
-        def _final():
-            ht_ref[...] = state
+    carry_out_chunk(state_ref, state, t, closes_step, last_ref, ht_ref, sequences)
 
 
-def _fwd_h_step_kernel(first_ref, last_ref, seq_ref, *refs, has_h0, has_ht, dtype, chunk, chunks_per_step):
+def _fwd_h_step_kernel(first_ref, last_ref, seq_ref, *refs, has_h0, has_ht, dtype, chunk, chunks_per_step, packed):
     k_ref, v_ref, gate_ref = refs[:3]  # [n*C, K], [n*C, Vt], [n*C, K] float32
-    h0_ref = refs[3] if has_h0 else None  # [Vt, K]
+    h0_ref = refs[3] if has_h0 else None  # [Vt, K] (packed: [N, H, V, K] in HBM)
     table_ref = refs[3 + has_h0]  # the key mask table
     outs = refs[4 + has_h0 :]
     h_ref = outs[0]  # [n, Vt, K] ([Vt, K] for n = 1): the state before every chunk
-    ht_ref = outs[1] if has_ht else None  # [Vt, K]
+    ht_ref = outs[1] if has_ht else None  # [Vt, K] (packed: [N, H, V, K] in HBM)
     state_ref = outs[-1]  # VMEM scratch [Vt, K] float32
     n = chunks_per_step
     first_chunk = pl.program_id(3) * n
-    carry_in(state_ref, first_chunk, first_ref[first_chunk] == 1, h0_ref)
+    carry_in_step(state_ref, first_chunk, first_ref[first_chunk] == 1, h0_ref, packed is not None)
+    edges = None
+    if packed is not None:
+        edges = ChainEdges(packed.states(first_ref, last_ref, seq_ref, h0_ref, ht_ref), state_ref, first_chunk)
     decays = StepDecays(gate_ref[...], table_ref, chunk)
     k = chunk_rows(k_ref, n, jnp.float32)  # [n, C, K]
     updates = dot(chunk_rows(v_ref, n), k * decays.to_end, BATCHED_TN, dtype)  # [n, Vt, K]
-    states, state = state_chain(state_ref[...][None], decays.last_decay, updates)  # one group
+    states, state = state_chain(state_ref[...][None], decays.last_decay, updates, edges=edges)  # one group
     state = state[0]
     store_per_chunk(h_ref, states)
     state_ref[...] = state
 
-    if has_ht:
+    if has_ht and edges is None:
 
         @pl.when(last_ref[first_chunk + n - 1] == 1)
         def _final():
@@ -100,7 +100,9 @@ def chunk_fwd_h(k, v, gate, h0, meta, *, specs: ChunkSpecs, output_final_state: 
 
 
 def _launch(k, v, gate, h0, first, last, sequence, *, specs: ChunkSpecs, output_final_state: bool, interpret: bool):
-    flags = dict(has_h0=h0 is not None, has_ht=output_final_state, dtype=mxu_dtype(k.dtype))
+    flags = dict(
+        has_h0=h0 is not None, has_ht=output_final_state, dtype=mxu_dtype(k.dtype), packed=specs.packed_layout()
+    )
     per_step = specs.gate_mode == "key"
     if per_step:
         kernel = functools.partial(

@@ -25,7 +25,7 @@ from jax.experimental.pallas import tpu as pltpu
 from gla_core.chunk.common import compiler_params, cost_estimate
 from gla_core.chunk.gates import intra_costs, mask_table_inputs
 from gla_core.chunk.specs import ChunkSpecs
-from gla_core.tpu import interpret_params
+from gla_core.tpu import KERNEL_VMEM_BUDGET_BYTES, interpret_params
 
 
 def for_each_chunk(kernel, specs: ChunkSpecs, kinds: str, pass_chunk: bool = False):
@@ -57,10 +57,10 @@ def for_each_chunk(kernel, specs: ChunkSpecs, kinds: str, pass_chunk: bool = Fal
 def step_edges(chunk_in_step: int, chunks_per_step: int, reverse: bool = False) -> tuple[bool, bool]:
     """Whether a chunk is the first and the last its grid step walks (static Python bools).
 
-    With several chunks per step, sequences start and end only at step edges (one sequence per
-    batch row, see `ChunkSpecs.state_of_sequence`), so only those chunks may reset or emit a
-    carried state: the chunks between them run without branches, and their independent work
-    can overlap."""
+    With several chunks per step and one sequence per batch row (fixed length), sequences start
+    and end only at step edges, so only those chunks may reset or emit a carried state: the chunks
+    between them run without branches, and their independent work can overlap. (Packed sequences
+    start and end at any chunk: see `carry_in_chunk`, `carry_out_chunk`.)"""
     walked = chunks_per_step - 1 - chunk_in_step if reverse else chunk_in_step
     return walked == 0, walked == chunks_per_step - 1
 
@@ -79,6 +79,41 @@ def carry_in(state_ref, step, starts, initial_ref) -> None:
             state_ref[...] = initial_ref[...].astype(jnp.float32)
         else:
             state_ref[...] = jnp.zeros(state_ref.shape, jnp.float32)
+
+
+def carry_in_step(state_ref, step, starts, initial_ref, packed: bool) -> None:
+    """`carry_in` at the start of a grid step taken at once; packed sequences (`packed`, restarted
+    inside the step's state chain, see `packed.ChainEdges`) only start from zero at the first step."""
+    carry_in(state_ref, step, False if packed else starts, None if packed else initial_ref)
+
+
+def carry_in_chunk(state_ref, walked, chunk, opens_step: bool, starts_ref, initial_ref, sequences) -> None:
+    """`carry_in` for a kernel run chunk by chunk (`for_each_chunk`); `walked`: the chunks walked
+    before this one. Fixed length (`sequences` None): at the step's first chunk, with the block of
+    `initial_ref`. Packed (`packed.SequenceStates`): zero at the first chunk walked, then at every
+    chunk that starts a sequence its initial state."""
+    if sequences is None:
+        if opens_step:
+            carry_in(state_ref, walked, starts_ref[chunk] == 1, initial_ref)
+        return
+    if opens_step:
+        carry_in(state_ref, walked, False, None)
+    sequences.reset(state_ref, chunk)
+
+
+def carry_out_chunk(state_ref, state, chunk, closes_step: bool, ends_ref, final_ref, sequences) -> None:
+    """Writes the carried state (`state`, the value just stored in `state_ref`) where `chunk` ends a
+    sequence (`final_ref` None: not wanted). Fixed length (`sequences` None): at the step's last
+    chunk, into the block of `final_ref`. Packed (`packed.SequenceStates`): at any chunk, by DMA
+    from `state_ref`."""
+    if sequences is not None:
+        sequences.emit(state_ref, chunk)
+        return
+    if final_ref is not None and closes_step:
+
+        @pl.when(ends_ref[chunk] == 1)
+        def _final():
+            final_ref[...] = state
 
 
 def launch_state_pass(
@@ -240,12 +275,21 @@ def sequential_call(
                 out_specs=out_specs,
                 scratch_shapes=[pltpu.VMEM((specs.block_v, kdim), jnp.float32)],
             ),
-            compiler_params=compiler_params("parallel", "parallel", "parallel", "arbitrary"),
+            compiler_params=compiler_params(
+                "parallel", "parallel", "parallel", "arbitrary", vmem_limit_bytes=_vmem_limit(specs)
+            ),
             interpret=interpret_params(interpret),
             cost_estimate=cost,
             name=name,
         )(*meta, *inputs)
     return list(outs[: len(outputs)]), (outs[len(outputs)] if state_out else None)
+
+
+def _vmem_limit(specs: ChunkSpecs) -> int | None:
+    """The scoped VMEM limit of a sequential kernel: `KERNEL_VMEM_BUDGET_BYTES` for the per-key
+    kernels of packed calls (all n chunks of a step at once: the fused backward at n = 4, C = 128,
+    K = V = 128 takes 18.5 MiB on v5e, above Mosaic's default of 16), else Mosaic's default."""
+    return KERNEL_VMEM_BUDGET_BYTES if specs.packed and specs.gate_mode == "key" else None
 
 
 def launch_value_pass(

@@ -142,10 +142,9 @@ class ChunkConfig:
 
     def sequential_specs(self) -> ChunkSpecs:
         """Specs of the kernels walking time (forward, recomputed states, state gradients): as
-        `specs`, with several chunks per grid step for fixed-length inputs (packed sequences may
-        start inside a step, and their states are block-indexed)."""
-        specs = self.specs()
-        return specs if self.geometry.varlen else specs.with_chunks_per_step(self.block_sizes.block_chunks)
+        `specs`, with several chunks per grid step (packed sequences may start and end inside a
+        step: their states then move by DMA, see `packed`)."""
+        return self.specs().with_chunks_per_step(self.block_sizes.block_chunks)
 
     def dv_specs(self) -> ChunkSpecs:
         """Specs of the dv kernel: V tiled, all of K, several chunks per grid step."""

@@ -6,7 +6,8 @@ scores in `[B, H, NF, NT, C, C]`, per-sequence states in `[N, H, V, K]`. Grids a
 `(B, H, NF, NT / n)`: the third axis tiles one feature dimension (V for the state and output
 kernels, K for the dq/dk/dgate kernel), the last is time. With
 scalar prefetch the index maps also receive the per-chunk metadata refs
-`(first, last, sequence)` after the grid indices.
+`(first, last, sequence)` after the grid indices. Per-sequence states of packed calls with several
+chunks per step are not blocked: they stay in HBM (`state_of_sequence`, `packed`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 
 from jax.experimental import pallas as pl
+
+from gla_core.chunk.packed import PackedLayout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,11 +169,22 @@ class ChunkSpecs:
 
         return pl.BlockSpec((None, None, None, *self._per_chunk(self.chunk, self.chunk)), chunk_scores_index)
 
+    @property
+    def packed(self) -> bool:
+        """Whether sequences of one batch row may start and end inside a grid step (several
+        sequences per row and several chunks per step): the per-sequence states then stay in HBM
+        and move by DMA (`packed`)."""
+        return self.states_per_row != 1 and self.chunks_per_step != 1
+
+    def packed_layout(self) -> PackedLayout | None:
+        """The static layout of the per-sequence states for the kernels of a packed call, else None."""
+        return PackedLayout(self.states_per_row, self.block_v) if self.packed else None
+
     def state_of_sequence(self) -> pl.BlockSpec:
-        """The state of the sequence owning the chunk: [Vt, Kt] of [N, H, V, K] (needs scalar prefetch;
-        several chunks per grid step only with one sequence per batch row)."""
-        if self.chunks_per_step != 1 and self.states_per_row != 1:
-            raise ValueError("state_of_sequence: packed sequences need one chunk per grid step")
+        """The state of the sequence owning the chunk: [Vt, Kt] of [N, H, V, K] (needs scalar prefetch).
+        Packed calls (`packed`): the whole [N, H, V, K] left in HBM, for the kernels' DMAs."""
+        if self.packed:
+            return pl.BlockSpec(memory_space=pl.ANY)
 
         def sequence_state_index(*indices):
             b, h, vt, kt, c = self._position(indices)

@@ -45,11 +45,12 @@ class ForwardStep:
     end: jax.Array
 
 
-def forward_step(decays: StepDecays, products, q, k, v, start, *, dtype) -> ForwardStep:
-    """Args: q, k `[M, C, K]` float32; v `[M, C, V]`; start `[G, V, K]` float32."""
+def forward_step(decays: StepDecays, products, q, k, v, start, *, dtype, edges=None) -> ForwardStep:
+    """Args: q, k `[M, C, K]` float32; v `[M, C, V]`; start `[G, V, K]` float32; edges: packed
+    sequences' edges inside the step (`packed.ChainEdges`) or None."""
     scores = products.scores(q, k)
     updates = dot(v, k * decays.to_end, BATCHED_TN, dtype)  # [M, V, K]
-    states, end = state_chain(start, decays.last_decay, updates)
+    states, end = state_chain(start, decays.last_decay, updates, edges=edges)
     inter = dot(q * decays.from_start, states, BATCHED_NT, dtype)  # [M, C, V]
     return ForwardStep(scores, inter, states, end)
 
@@ -108,21 +109,24 @@ class BackwardStep:
     end: jax.Array
 
 
-def backward_step(decays: StepDecays, q, k, do, scores, grad_start, *, scale, dtype) -> BackwardStep:
+def backward_step(decays: StepDecays, q, k, do, scores, grad_start, *, scale, dtype, edges=None) -> BackwardStep:
     """The state-gradient chain and dv, exact for any gates (no gated products).
 
     Args:
       q, k: `[M, C, K]` float32; do: `[M, C, V]`; scores: the forward's A `[M, C, C]`;
-      grad_start: `[G, V, K]` float32, the gradient of the state leaving the step.
+      grad_start: `[G, V, K]` float32, the gradient of the state leaving the step;
+      edges: packed sequences' edges inside the step (`packed.ChainEdges`, walked backwards) or None.
     """
     updates = scale * dot(do, q * decays.from_start, BATCHED_TN, dtype)  # [M, V, K]
-    grads, end = state_chain(grad_start, decays.last_decay, updates, reverse=True)
+    grads, end = state_chain(grad_start, decays.last_decay, updates, reverse=True, edges=edges)
     from_state = dot(k * decays.to_end, grads, BATCHED_NT, dtype)  # [M, C, V]
     intra = dot(scores, do, BATCHED_TN, dtype)  # [M, C, V]
     return BackwardStep(from_state + scale * intra, grads, end)
 
 
-def run_forward(decays: StepDecays, a, table_ref, q, k, v, start, write, *, scale, dtype, chunk: int) -> None:
+def run_forward(
+    decays: StepDecays, a, table_ref, q, k, v, start, write, *, scale, dtype, chunk: int, edges=None
+) -> None:
     """A step's forward with the anchored products, recomputed where they do not serve.
 
     Calls `write(step, o)` (o `[M, C, V]` float32) with the anchored products (or, without an
@@ -132,17 +136,20 @@ def run_forward(decays: StepDecays, a, table_ref, q, k, v, start, write, *, scal
     before it keep exactly their numbers; with the exact level products when the step is out of
     the anchor range (the static estimate counts only the first call, see `anchored`).
 
-    Args: a `[M*C, K]` float32 log decays; q, k `[M, C, K]` float32; v `[M, C, V]`; start `[G, V, K]`.
+    Args: a `[M*C, K]` float32 log decays; q, k `[M, C, K]` float32; v `[M, C, V]`; start `[G, V, K]`;
+    edges: packed sequences' edges inside the step (`packed.ChainEdges`; a recomputed step runs its
+    chain, and so its DMAs, again) or None.
     """
 
     def exact():
-        step = forward_step(decays, LevelProducts(a, table_ref, chunk, dtype), q, k, v, start, dtype=dtype)
+        products = LevelProducts(a, table_ref, chunk, dtype)
+        step = forward_step(decays, products, q, k, v, start, dtype=dtype, edges=edges)
         write(step, scale * (step.inter + causal_dot(step.scores, v, dtype)))
 
     if decays.anchor_range is None:
         exact()
         return
-    step = forward_step(decays, AnchoredProducts(decays, dtype), q, k, v, start, dtype=dtype)
+    step = forward_step(decays, AnchoredProducts(decays, dtype), q, k, v, start, dtype=dtype, edges=edges)
     write(step, outputs(step, v, scale=scale, dtype=dtype))
 
     @pl.when(decays.in_range & jnp.logical_not(jnp.isfinite(jnp.sum(step.end))))
