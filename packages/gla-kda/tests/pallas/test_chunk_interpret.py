@@ -67,13 +67,16 @@ CASES = {
         output_final_state=True,
     ),
     "bf16_h0_ht": dict(seq_len=128, dtype=jnp.bfloat16, initial_state=True, output_final_state=True),
-    # The forward state kernel takes several value heads per grid step (`state_heads_per_step`;
-    # `test_state_heads_per_step` checks the counts): H=6 -> 3 heads per step, two blocks of heads,
-    # and 10 chunks of 16 -> 5 chunks per step, two sequential time steps.
+    # The state kernel and the reverse state-gradient kernel take several value heads per grid
+    # step (`state_heads_per_step`, `state_grad_heads_per_step`; `test_state_heads_per_step` checks
+    # the counts): H=6 -> 3 heads per step (two blocks of heads) forward, 2 (three blocks) in the
+    # reverse kernel, and 10 chunks of 16 -> 5 chunks per step, two sequential time steps (the
+    # final-state cotangent enters at one end, dh0 leaves at the other).
     "state_3_heads_per_step_2_time_steps_batch2_h0_ht": dict(
         batch=2, seq_len=160, num_heads=6, chunk_size=16, initial_state=True, output_final_state=True
     ),
-    # Packed sequences: one chunk per step (a sequence starting mid-row), 4 heads per step.
+    # Packed sequences: one chunk per step (a sequence starting mid-row), 4 heads per step forward,
+    # 2 in the reverse kernel.
     "state_4_heads_per_step_varlen_h0_ht": dict(
         seq_len=150,
         num_heads=4,
@@ -90,9 +93,11 @@ CASES = {
 
 
 def test_state_heads_per_step():
-    """The value heads per state-kernel step of the cases above (default `state_heads_per_step`)."""
-    most = BlockSizes().state_heads_per_step
-    assert [heads_per_step(6, 1, most), heads_per_step(4, 1, most), heads_per_step(4, 2, most)] == [3, 4, 1]
+    """The value heads per step of the state and reverse state-gradient kernels in the cases above
+    (default `state_heads_per_step`, `state_grad_heads_per_step`)."""
+    blocks = BlockSizes()
+    for most, counts in ((blocks.state_heads_per_step, [3, 4, 1]), (blocks.state_grad_heads_per_step, [2, 2, 1])):
+        assert [heads_per_step(6, 1, most), heads_per_step(4, 1, most), heads_per_step(4, 2, most)] == counts
     assert [heads_per_step(16, 1, 4), heads_per_step(7, 1, 4), heads_per_step(1, 1, 4)] == [4, 1, 1]
 
 

@@ -19,6 +19,10 @@ DEFAULT_GRAD_CHUNKS_PER_STEP = 4
 # products interleave. The v6e static estimate of the kernel alone at B=1 T=1024 H=16: 216k cycles
 # with 1 head per step, 131k with 2, 107k with 4, 110k with 8 (twice the VMEM of 4).
 DEFAULT_STATE_HEADS_PER_STEP = 4
+# The same for the reverse state-gradient recurrence (`state_bwd`), measured on its own (v6e static
+# estimate, B=1 T=1024 H=16): 171k cycles with 1 head per step, 123k with 2, 128k with 4, 126k
+# with 8 (VMEM 4.0, 8.0, 15 MiB for 2, 4, 8).
+DEFAULT_STATE_GRAD_HEADS_PER_STEP = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +42,7 @@ class BlockSizes:
         the VMEM per chunk (8 chunks of K = V = 128 take 14.8 MiB of v5e's 16 MiB scoped VMEM).
       state_heads_per_step: the most value heads one grid step of the forward state recurrence
         takes (a divisor of HV; 1 when value heads share q/k heads).
+      state_grad_heads_per_step: the same for the reverse state-gradient recurrence.
     """
 
     chunk_size: int = 64
@@ -45,6 +50,7 @@ class BlockSizes:
     chunks_per_step: int = DEFAULT_CHUNKS_PER_STEP
     grad_chunks_per_step: int = DEFAULT_GRAD_CHUNKS_PER_STEP
     state_heads_per_step: int = DEFAULT_STATE_HEADS_PER_STEP
+    state_grad_heads_per_step: int = DEFAULT_STATE_GRAD_HEADS_PER_STEP
 
     def __post_init__(self):
         if self.sub_chunk % NUM_SUBLANES or self.chunk_size % self.sub_chunk:
@@ -52,7 +58,12 @@ class BlockSizes:
                 f"sub_chunk: expected a multiple of {NUM_SUBLANES} dividing chunk_size={self.chunk_size}, "
                 f"got {self.sub_chunk}"
             )
-        for name in ("chunks_per_step", "grad_chunks_per_step", "state_heads_per_step"):
+        for name in (
+            "chunks_per_step",
+            "grad_chunks_per_step",
+            "state_heads_per_step",
+            "state_grad_heads_per_step",
+        ):
             if getattr(self, name) < 1:
                 raise InvalidArgumentError(f"{name}: expected a positive count, got {getattr(self, name)}")
 
@@ -125,14 +136,16 @@ def compiler_params(sequential_time: bool, vmem_limit_bytes: int | None = None):
     return pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", time), vmem_limit_bytes=vmem_limit_bytes)
 
 
-def token_block(rows: int, dim: int, group: int = 1):
+def token_block(rows: int, dim: int, group: int = 1, num_steps: int | None = None):
     """Block [rows, dim] of a token-major `[B, Tp, H*dim]` array for grid step (b, j, t) of a
     (batch, value head, time) grid: rows t*rows.. of head j // group (dim a multiple of 128, so
     a head's lanes are one block). Scalar-prefetch refs after the grid indices are ignored.
+    `num_steps`: the grid's time steps when it walks time backwards (step t reads rows
+    (num_steps - 1 - t)*rows..); None when it walks forwards.
     """
 
     def index(b, j, t, *_):
         head = j if group == 1 else jax.lax.div(j, jnp.int32(group))
-        return (b, t, head)
+        return (b, t if num_steps is None else num_steps - 1 - t, head)
 
     return pl.BlockSpec((None, rows, dim), index)

@@ -208,10 +208,12 @@ def launch_intra_bwd(q, k, v, g, g_lo, beta, tinv, h, dstate, ddelta, do, config
     """Per-chunk gradients.
 
     Args:
-      q, k: [B, H, Tp, K]; v, ddelta, do: [B, HV, Tp, V]; g, g_lo: [B, HV, Tp, K] float32
+      q, k: [B, H, Tp, K]; v, do: [B, HV, Tp, V]; g, g_lo: [B, HV, Tp, K] float32
       sub-block-local decay cumsum (`layout.local_cumsum`);
       beta: [B, HV, NT, 1, C]; tinv: [B, HV, Tp, C]; h: [B, NT*K, HV*V] (`state.launch_state`: rows
-      n*K.. the state before chunk n, lanes j*V.. value head j); dstate: [B, HV, NT*K, V].
+      n*K.. the state before chunk n, lanes j*V.. value head j); dstate: [B, NT*K, HV*V] (the same
+      layout, the gradient of the state after chunk n) and ddelta: [B, Tp, HV*V] (token-major),
+      both from `state_bwd.launch_state_bwd`.
     Returns (float32): dq, dk, dg [B, HV, Tp, K] (per value head); dv [B, HV, Tp, V];
       dbeta [B, HV, NT, 1, C].
       Under `jax.vmap` the mapped axis folds into B (`gla_core.pallas_transforms.fold_vmap`).
@@ -230,8 +232,7 @@ def _launch_intra_bwd(q, k, v, g, g_lo, beta, tinv, h, dstate, ddelta, do, *, co
     qk_spec = pl.BlockSpec((None, None, rows, key_dim), functools.partial(qk_index, group=config.group))
     key_spec = pl.BlockSpec((None, None, rows, key_dim), chunk_index)
     value_spec = pl.BlockSpec((None, None, rows, value_dim), chunk_index)
-    state_spec = pl.BlockSpec((None, None, per_step * key_dim, value_dim), chunk_index)
-    h_spec = token_block(per_step * key_dim, value_dim)
+    state_spec = token_block(per_step * key_dim, value_dim)
     beta_spec = pl.BlockSpec((None, None, per_step, 1, c), beta_index)
     f32 = jnp.float32
     with jax.named_scope("kda_intra_bwd"):
@@ -246,9 +247,9 @@ def _launch_intra_bwd(q, k, v, g, g_lo, beta, tinv, h, dstate, ddelta, do, *, co
                 key_spec,
                 beta_spec,
                 pl.BlockSpec((None, None, rows, c), chunk_index),
-                h_spec,
                 state_spec,
-                value_spec,
+                state_spec,
+                token_block(rows, value_dim),
                 value_spec,
             ],
             out_specs=[key_spec, key_spec, value_spec, beta_spec, key_spec],

@@ -11,8 +11,9 @@ The forward kernels read q, k, v and the raw per-step log decays g token-major
 (`layout.to_tokens`), and do the input cleaning themselves: non-finite entries zeroed
 (`nonfinite.zero_nonfinite`), g raised to its floor (`inputs.floor_log_decay`) and its
 sub-block-local cumsum (`chunk_math.Decays.of_steps`). The backward kernels take the
-head-major layout: the backward forms it, with the same cleaning and cumsum, in XLA
-(`layout.heads_first`, `layout.local_cumsum`), and differentiates the cleaning of g there.
+head-major layout (the reverse state kernel reads q, k and dO token-major): the backward forms
+it, with the same cleaning and cumsum, in XLA (`layout.heads_first`, `layout.local_cumsum`), and
+differentiates the cleaning of g there.
 """
 
 from __future__ import annotations
@@ -116,11 +117,13 @@ def _pipeline_bwd(config, residuals, cotangents):
     heads = value_heads // kernel.group
     clean_g, clean_g_vjp = jax.vjp(_clean_log_decay, g)
     g_hi, g_lo = local_cumsum(heads_first(clean_g, value_heads), kernel.blocks.sub_chunk)
-    qh, kh = (heads_first(zero_nonfinite(x), heads) for x in (q, k))
-    vh, doh = heads_first(zero_nonfinite(v), value_heads), heads_first(do, value_heads)
+    clean_q, clean_k = zero_nonfinite(q), zero_nonfinite(k)
+    per_sequence = (config.has_initial_state, config.states_per_row)
     dstate, ddelta, dh0 = launch_state_bwd(
-        qh, kh, g_hi, g_lo, beta, tinv, aqk, doh, dht, meta, kernel, config.has_initial_state, config.states_per_row
+        clean_q, clean_k, g_hi, g_lo, beta, tinv, aqk, do, dht, meta, kernel, *per_sequence
     )
+    qh, kh = heads_first(clean_q, heads), heads_first(clean_k, heads)
+    vh, doh = heads_first(zero_nonfinite(v), value_heads), heads_first(do, value_heads)
     dq, dk, dv, dbeta, dg = launch_intra_bwd(qh, kh, vh, g_hi, g_lo, beta, tinv, h, dstate, ddelta, doh, kernel)
     if dh0 is not None:
         dh0 = _mask_empty(dh0, meta.empty).astype(h0.dtype)
