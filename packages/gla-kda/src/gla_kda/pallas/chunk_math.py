@@ -386,25 +386,29 @@ def gated_grads(pairs, col_op, decays: Decays, dtype, unroll: bool) -> GatedGrad
     c, k = sb.chunk, col_op.shape[1]
     col = iota((c, c), 1)
     rows_off = [[None] for _ in pairs]
-    cols = [jnp.zeros((c, k), F32) for _ in pairs]
+    # Column-side sums per sub-block of columns: off-diagonal block r reaches the columns j < r * s only.
+    col_slabs = [[None] * sb.count for _ in pairs]
     after_off = [None]
     between = [jnp.zeros((1, k), F32) for _ in range(sb.count)]
     # Off-diagonal sub-blocks: rows of block r against the columns j < n = r * s, anchored at row n.
     for r in range(1, sb.count):
         n = r * sb.sub
-        col_decay = jnp.exp(decays.before_anchor(r))  # exp(G_n - G_j) on rows j < n
-        b_anchored = col_op * col_decay
+        col_decay = jnp.exp(decays.before_anchor(r)[:n])  # exp(G_n - G_j), [n, K]
+        b_anchored = col_op[:n] * col_decay
         decay_rows = jnp.exp(decays.within_block(r))
         after = jnp.zeros((sb.sub, k), F32)
-        column_terms = jnp.zeros((c, k), F32)
+        column_terms = jnp.zeros((n, k), F32)
         for index, (w, a) in enumerate(pairs):
-            before = jnp.where(col[: sb.sub] < n, sb.rows(w, r), 0.0)
+            before = sb.rows(w, r)[:, :n]  # [s, n]
             row_grad = decay_rows * dot(before, b_anchored, dtype)
             rows_off[index].append(row_grad)
             after = after + sb.rows(a, r) * row_grad
-            # sum_{i in block r} W_ij a_i exp(G_i - G_n), zero on the rows j >= n.
+            # sum_{i in block r} W_ij a_i exp(G_i - G_n) for the columns j < n, [n, K].
             from_block = dot(before, sb.rows(a, r) * decay_rows, dtype, trans_a=True)
-            cols[index] = cols[index] + col_decay * from_block
+            reached = col_decay * from_block
+            for b in range(r):
+                slab = sb.rows(reached, b)
+                col_slabs[index][b] = slab if col_slabs[index][b] is None else col_slabs[index][b] + slab
             column_terms = column_terms + b_anchored * from_block
         after_off.append(after)
         # Pairs (i in block r, j before block c) straddle every step of a block c strictly between.
@@ -412,6 +416,7 @@ def gated_grads(pairs, col_op, decays: Decays, dtype, unroll: bool) -> GatedGrad
             between[between_block] = between[between_block] + jnp.sum(
                 column_terms[: between_block * sb.sub], axis=0, keepdims=True
             )
+    cols = [sb.stack(slabs, k) for slabs in col_slabs]
     before_block = col_op * sum(cols)  # the off-diagonal part so far: rows of later sub-blocks only
     position, start = sb.position(k), sb.start(c)
 
@@ -421,10 +426,11 @@ def gated_grads(pairs, col_op, decays: Decays, dtype, unroll: bool) -> GatedGrad
         decay = _masked_exp(decays.from_position(jj), position >= jj)
         b_col = sb.broadcast_row(col_op, jj)
         target = col == start + jj
+        b_decayed = b_col * decay
         new_rows, new_cols = [], []
         for acc_row, acc_col, (w, a) in zip(rows, cols, pairs, strict=True):
             w_col = jnp.sum(jnp.where(target, w, 0.0), axis=1, keepdims=True)  # W_i,jj
-            new_rows.append(acc_row + w_col * b_col * decay)
+            new_rows.append(acc_row + w_col * b_decayed)
             weighted = w_col * a * decay
             new_cols.append(acc_col + jnp.where(position == jj, sb.block_sums(weighted), 0.0))
             reached = reached + weighted * b_col  # sum over the columns <= jj of M_ij
