@@ -75,6 +75,7 @@ def kda_chunk(args):
         has_initial_state=initial_state is not None,
         output_final_state=output_final_state,
         states_per_row=1 if cu_seqlens is None else cu_seqlens.shape[0] - 1,
+        varlen=cu_seqlens is not None,
     )
     h0 = None if initial_state is None else kl.pad_state(initial_state, layout)
     o, ht = chunk_pipeline(

@@ -1,10 +1,11 @@
 """Per-sequence states of packed sequences when a grid step walks several chunks.
 
-A packed varlen row (B == 1, `cu_seqlens`) holds several sequences, which may start and end at any
-chunk of a grid step. Their states `[N, H, V, K]` (float32: the initial states h0 or final-state
-gradients dht in, the final states ht or initial-state gradients dh0 out) then stay in HBM
-(`ChunkSpecs.state_of_sequence`: `memory_space=ANY`) and move by DMA at the chunks the
-scalar-prefetched metadata marks: the chunk that starts a sequence in walking order resets the
+A packed varlen row (B == 1, `cu_seqlens`) holds its sequences padded to whole chunks and the row
+padded to its static worst case, so they may start and end at any chunk of a grid step (even a
+single sequence may end before the row's last chunk). Their states `[N, H, V, K]` (float32: the
+initial states h0 or final-state gradients dht in, the final states ht or initial-state gradients
+dh0 out) then stay in HBM (`ChunkSpecs.state_of_sequence`: `memory_space=ANY`) and move by DMA
+at the chunks the scalar-prefetched metadata marks: the chunk that starts a sequence in walking order resets the
 carried state from its sequence's entry (zero without one), the chunk that ends it writes the
 carried state to its sequence's entry. Walking backwards the roles swap: a sequence starts at its
 last chunk (`ChunkMeta.last`) and ends at its first.

@@ -138,6 +138,7 @@ class ChunkConfig:
             geo.padded_value_dim,
             self.block_sizes.value_tile(geo.padded_value_dim),
             states_per_row=geo.states_per_row,
+            varlen=geo.varlen,
         )
 
     def sequential_specs(self) -> ChunkSpecs:

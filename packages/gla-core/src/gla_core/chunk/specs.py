@@ -33,6 +33,9 @@ class ChunkSpecs:
       reverse: the time grid axis runs from the last chunk to the first.
       states_per_row: per-sequence states of one batch row (1 for fixed length, N for varlen):
         a chunk's state is row `b * states_per_row + sequence` of the `[N, ...]` states.
+      varlen: the row holds `cu_seqlens` sequences: each may start and end at any chunk (the
+        layout pads every sequence to whole chunks and the row to its static worst case, so even
+        one sequence may end before the row's last chunk).
       chunks_per_step: n, consecutive chunks of one grid step (a divisor of NT): time blocks
         are `[n*C, D]`, per-chunk blocks `[n, ...]` (`launch.for_each_chunk` runs the kernel
         per chunk). 1 keeps single-chunk blocks without the chunk axis.
@@ -49,6 +52,7 @@ class ChunkSpecs:
     reverse: bool = False
     states_per_row: int = 1
     chunks_per_step: int = 1
+    varlen: bool = False
 
     def __post_init__(self):
         untiled_block = self.block_k if self.tiled == "v" else self.block_v
@@ -60,7 +64,7 @@ class ChunkSpecs:
 
     @classmethod
     def value_tiled(
-        cls, gate_mode, chunk, num_chunks, key_dim, value_dim, block_v, states_per_row: int = 1
+        cls, gate_mode, chunk, num_chunks, key_dim, value_dim, block_v, states_per_row: int = 1, varlen: bool = False
     ) -> ChunkSpecs:
         """Specs of the kernels that tile V and see all of K."""
         return cls(
@@ -72,6 +76,7 @@ class ChunkSpecs:
             block_k=key_dim,
             block_v=block_v,
             states_per_row=states_per_row,
+            varlen=varlen,
         )
 
     def key_tiled(self, block_k: int) -> ChunkSpecs:
@@ -171,10 +176,9 @@ class ChunkSpecs:
 
     @property
     def packed(self) -> bool:
-        """Whether sequences of one batch row may start and end inside a grid step (several
-        sequences per row and several chunks per step): the per-sequence states then stay in HBM
-        and move by DMA (`packed`)."""
-        return self.states_per_row != 1 and self.chunks_per_step != 1
+        """Whether sequences of one batch row may start and end inside a grid step (varlen, several
+        chunks per step): the per-sequence states then stay in HBM and move by DMA (`packed`)."""
+        return self.varlen and self.chunks_per_step != 1
 
     def packed_layout(self) -> PackedLayout | None:
         """The static layout of the per-sequence states for the kernels of a packed call, else None."""

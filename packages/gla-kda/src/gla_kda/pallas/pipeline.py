@@ -46,12 +46,16 @@ class PipelineConfig:
       output_final_state: return the final state of every sequence.
       states_per_row: sequences per batch row, N / B (1, or the packed sequences of the one
         varlen row).
+      varlen: the row holds `cu_seqlens` sequences, which may end at any chunk (each is padded to
+        whole chunks and the row to its static worst case: even one sequence may end before the
+        row's last chunk).
     """
 
     kernel: KernelConfig
     has_initial_state: bool
     output_final_state: bool
     states_per_row: int
+    varlen: bool
 
 
 def _mask_empty(states, empty):
@@ -66,7 +70,7 @@ def _forward(config: PipelineConfig, q, k, v, g, beta, h0, meta: ChunkMeta):
     outputs = StateOutputs(
         has_initial_state=config.has_initial_state, emit_delta=True, emit_final_state=config.output_final_state
     )
-    h, delta, ht = launch_state(k, v, g, beta, tinv, h0, meta, kernel, outputs, config.states_per_row)
+    h, delta, ht = launch_state(k, v, g, beta, tinv, h0, meta, kernel, outputs, config.states_per_row, config.varlen)
     o = launch_output(q, g, h, delta, aqk, kernel, v.dtype)
     if ht is not None:
         ht = _mask_empty(ht, meta.empty)
@@ -110,7 +114,7 @@ def _pipeline_bwd(config, residuals, cotangents):
     do, dht = cotangents
     kernel = config.kernel
     recompute = StateOutputs(has_initial_state=config.has_initial_state, emit_delta=False, emit_final_state=False)
-    h, _, _ = launch_state(k, v, g, beta, tinv, h0, meta, kernel, recompute, config.states_per_row)
+    h, _, _ = launch_state(k, v, g, beta, tinv, h0, meta, kernel, recompute, config.states_per_row, config.varlen)
     if dht is not None:
         dht = _mask_empty(dht.astype(jnp.float32), meta.empty)
     value_heads = beta.shape[1]
@@ -118,7 +122,7 @@ def _pipeline_bwd(config, residuals, cotangents):
     clean_g, clean_g_vjp = jax.vjp(_clean_log_decay, g)
     g_hi, g_lo = local_cumsum(heads_first(clean_g, value_heads), kernel.blocks.sub_chunk)
     clean_q, clean_k = zero_nonfinite(q), zero_nonfinite(k)
-    per_sequence = (config.has_initial_state, config.states_per_row)
+    per_sequence = (config.has_initial_state, config.states_per_row, config.varlen)
     dstate, ddelta, dh0 = launch_state_bwd(
         clean_q, clean_k, g_hi, g_lo, beta, tinv, aqk, do, dht, meta, kernel, *per_sequence
     )

@@ -153,7 +153,9 @@ def state_cost(batch, heads, num_chunks, c, k, v, itemsize):
     return pl.CostEstimate(flops=flops, transcendentals=transcendentals, bytes_accessed=bytes_accessed)
 
 
-def launch_state(k, v, g, beta, tinv, h0, meta, config: KernelConfig, outputs: StateOutputs, states_per_row: int):
+def launch_state(
+    k, v, g, beta, tinv, h0, meta, config: KernelConfig, outputs: StateOutputs, states_per_row: int, varlen: bool
+):
     """Runs the recurrence over every chunk.
 
     Args:
@@ -162,23 +164,26 @@ def launch_state(k, v, g, beta, tinv, h0, meta, config: KernelConfig, outputs: S
       beta: [B, HV, NT, 1, C] float32; tinv: [B, HV, Tp, C] float32;
       h0: [N, HV, K, V] float32 or None; meta: `ChunkMeta` (first, last, seq int32 [NT]).
       states_per_row: N / B (1, or the number of packed sequences of the one varlen row).
+      varlen: sequences may end at any chunk (`PipelineConfig.varlen`): one chunk per grid step.
     Returns:
       (h [B, NT*K, HV*V] (rows n*K.. hold the state before chunk n; lanes j*V.. value head j),
       delta [B, Tp, HV*V] (token-major) or None, ht [N, HV, K, V] float32 or None).
       Under `jax.vmap` the mapped axis folds into B and N (`gla_core.pallas_transforms.fold_vmap`).
     """
-    launch = functools.partial(_launch_state, config=config, outputs=outputs, states_per_row=states_per_row)
+    launch = functools.partial(
+        _launch_state, config=config, outputs=outputs, states_per_row=states_per_row, varlen=varlen
+    )
     args = (k, v, g, beta, tinv, h0, meta.first, meta.last, meta.seq)
     return fold_vmap(launch, args, in_axes=(0,) * 6 + (None,) * 3, out_axes=0)
 
 
-def _launch_state(k, v, g, beta, tinv, h0, first, last, seq, *, config, outputs, states_per_row):
+def _launch_state(k, v, g, beta, tinv, h0, first, last, seq, *, config, outputs, states_per_row, varlen):
     batch, heads = beta.shape[:2]
     padded_len, key_dim, value_dim = g.shape[1], g.shape[2] // heads, v.shape[2] // heads
     c = config.blocks.chunk_size
     num_chunks = padded_len // c
     num_states = batch * states_per_row
-    per_step = 1 if states_per_row > 1 else config.blocks.per_step(num_chunks)
+    per_step = 1 if varlen else config.blocks.per_step(num_chunks)
     rows = per_step * c
     m = heads_per_step(heads, config.group, config.blocks.state_heads_per_step)
     state_spec = pl.BlockSpec(

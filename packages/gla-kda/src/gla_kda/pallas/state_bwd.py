@@ -146,7 +146,20 @@ def state_bwd_cost(batch, heads, num_chunks, c, k, v, itemsize):
 
 
 def launch_state_bwd(
-    q, k, g, g_lo, beta, tinv, aqk, do, dht, meta, config: KernelConfig, emit_initial_grad: bool, states_per_row: int
+    q,
+    k,
+    g,
+    g_lo,
+    beta,
+    tinv,
+    aqk,
+    do,
+    dht,
+    meta,
+    config: KernelConfig,
+    emit_initial_grad: bool,
+    states_per_row: int,
+    varlen: bool,
 ):
     """Reverse-time state gradients.
 
@@ -155,21 +168,26 @@ def launch_state_bwd(
       (token-major); g, g_lo: [B, HV, Tp, K] float32 sub-block-local decay cumsum
       (`layout.local_cumsum`); beta: [B, HV, NT, 1, C] float32;
       tinv, aqk: [B, HV, Tp, C] float32; dht: [N, HV, K, V] float32 or None;
-      meta: `ChunkMeta`. states_per_row: N / B.
+      meta: `ChunkMeta`. states_per_row: N / B. varlen: sequences may end at any chunk
+      (`PipelineConfig.varlen`): one chunk per grid step.
     Returns:
       (dstate [B, NT*K, HV*V] (rows n*K.. the gradient of the state after chunk n; lanes j*V..
       value head j), ddelta [B, Tp, HV*V] (token-major), dh0 [N, HV, K, V] float32 or None).
       Under `jax.vmap` the mapped axis folds into B and N (`gla_core.pallas_transforms.fold_vmap`).
     """
     launch = functools.partial(
-        _launch_state_bwd, config=config, emit_initial_grad=emit_initial_grad, states_per_row=states_per_row
+        _launch_state_bwd,
+        config=config,
+        emit_initial_grad=emit_initial_grad,
+        states_per_row=states_per_row,
+        varlen=varlen,
     )
     args = (q, k, g, g_lo, beta, tinv, aqk, do, dht, meta.first, meta.last, meta.seq)
     return fold_vmap(launch, args, in_axes=(0,) * 9 + (None,) * 3, out_axes=0)
 
 
 def _launch_state_bwd(
-    q, k, g, g_lo, beta, tinv, aqk, do, dht, first, last, seq, *, config, emit_initial_grad, states_per_row
+    q, k, g, g_lo, beta, tinv, aqk, do, dht, first, last, seq, *, config, emit_initial_grad, states_per_row, varlen
 ):
     batch, heads, padded_len, key_dim = g.shape
     value_dim = do.shape[-1] // heads
@@ -177,7 +195,7 @@ def _launch_state_bwd(
     num_chunks = padded_len // c
     num_states = batch * states_per_row
     options = StateGradOptions(has_final_cotangent=dht is not None, emit_initial_grad=emit_initial_grad)
-    per_step = 1 if states_per_row > 1 else config.blocks.per_step(num_chunks)
+    per_step = 1 if varlen else config.blocks.per_step(num_chunks)
     num_steps, rows = num_chunks // per_step, per_step * c
     m = heads_per_step(heads, config.group, config.blocks.state_grad_heads_per_step)
     state_spec = pl.BlockSpec(
