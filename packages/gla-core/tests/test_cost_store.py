@@ -54,3 +54,17 @@ def test_partial_run_replaces_only_the_measured_problem_and_chip():
         ("kda", "fwd", "v6e", 2),
     ]
     assert merged.clocks == {"v6e": CLOCK}
+
+
+def test_partial_run_without_peers_keeps_the_peer_rows():
+    ours, peer = (
+        _row(KDA, "fwd", "v6e", 1),
+        dataclasses.replace(_row(KDA, "fwd", "v6e", 2), implementation="p", peer=True),
+    )
+    kept = cost_store.Stored({"v6e": CLOCK}, (ours, peer), ())
+    measured = cost_store.Stored({"v6e": CLOCK}, (_row(KDA, "fwd", "v6e", 3),), ())
+    merged = cost_store.merge(kept, measured, [("kda", ours.label)])
+    assert [(r.implementation, r.peer, r.kernels[0].cycles) for r in merged.rows] == [
+        ("chunk", False, 3),
+        ("p", True, 2),
+    ]

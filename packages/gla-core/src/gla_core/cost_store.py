@@ -65,17 +65,23 @@ def _problem(row: ProgramRow) -> tuple[str, str]:
     return row.op, row.label
 
 
+def _program(row: ProgramRow) -> tuple:
+    """What a measured row replaces: the rows of its problem, chip and implementation (all stages)."""
+    return _problem(row), row.chip, row.implementation, row.peer
+
+
 def merge(kept: Stored, measured: Stored, order: Sequence[tuple[str, str]]) -> Stored:
-    """`kept` with the rows of every (problem, chip) that `measured` has replaced by its rows, the
-    decode rows of every (op, chip) it has likewise, and its clocks; rows in the order of `order`
-    ((op, label) of every problem of the report), then by chip."""
+    """`kept` with the rows of every (problem, chip, implementation) that `measured` has replaced by
+    its rows (a run without the peers keeps their rows), the decode rows of every (op, chip) it has
+    likewise, and its clocks; rows in the order of `order` ((op, label) of every problem of the
+    report), then by chip, ours before the peers'."""
     if not {_problem(row) for row in measured.rows} <= set(order):
         raise InvalidArgumentError("merge: a measured row's problem is not in the report's problem order")
-    replaced = {(_problem(row), row.chip) for row in measured.rows}
-    kept_rows = [r for r in kept.rows if (_problem(r), r.chip) not in replaced and _problem(r) in order]
+    replaced = {_program(row) for row in measured.rows}
+    kept_rows = [r for r in kept.rows if _program(r) not in replaced and _problem(r) in order]
     rows = kept_rows + list(measured.rows)
     chips = ("v6e", "v5e")
-    rows.sort(key=lambda row: (order.index(_problem(row)), chips.index(row.chip)))
+    rows.sort(key=lambda row: (order.index(_problem(row)), chips.index(row.chip), row.peer))
     decoded = {(row.op, row.chip) for row in measured.decode}
     decode = [row for row in kept.decode if (row.op, row.chip) not in decoded] + list(measured.decode)
     decode.sort(key=lambda row: (DECODE_OPS.index(row.op), row.chip))
