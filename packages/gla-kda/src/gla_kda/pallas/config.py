@@ -149,3 +149,15 @@ def token_block(rows: int, dim: int, group: int = 1, num_steps: int | None = Non
         return (b, t if num_steps is None else num_steps - 1 - t, head)
 
     return pl.BlockSpec((None, rows, dim), index)
+
+
+def head_index(head: int, heads: int, rank: int, num_steps: int | None = None):
+    """Index map of the one-head block of head `head` of the `heads` value heads of grid step (b, j, t)
+    in a head-major [B, HV, T-blocks, ...] array of `rank` dimensions: value head j * heads + head,
+    time block t (num_steps - 1 - t when the grid walks time backwards, as in `token_block`),
+    trailing block indices 0."""
+
+    def index(b, j, t, *_):
+        return (b, j * heads + head, t if num_steps is None else num_steps - 1 - t) + (0,) * (rank - 3)
+
+    return index

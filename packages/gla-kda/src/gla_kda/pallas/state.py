@@ -35,7 +35,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from gla_core.kit import KERNEL_VMEM_BUDGET_BYTES, fold_vmap, row_to_column
 from gla_kda.pallas import chunk_math as cm
-from gla_kda.pallas.config import KernelConfig, compiler_params, token_block
+from gla_kda.pallas.config import KernelConfig, compiler_params, head_index, token_block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,16 +129,6 @@ def chunk_index(b, j, t, *_):
     return (b, j, t, 0)
 
 
-def head_beta_index(head: int, heads: int):
-    """Index map of the [n, 1, C] beta block ([B, HV, NT, 1, C]) of head `head` of the `heads` value
-    heads of grid step (b, j, t): value head j * heads + head, chunks t*n.."""
-
-    def index(b, j, t, *_):
-        return (b, j * heads + head, t, 0, 0)
-
-    return index
-
-
 def sequence_index(b, j, t, first_ref, last_ref, seq_ref, *, states_per_row: int, per_step: int):
     """Initial/final state block of the sequence owning step t's chunks: sequence seq[t * per_step] of
     batch row b (j: the step's block of value heads)."""
@@ -194,7 +184,7 @@ def _launch_state(k, v, g, beta, tinv, h0, first, last, seq, *, config, outputs,
         token_block(rows, m * key_dim, config.group),
         token_block(rows, m * value_dim),
         token_block(rows, m * key_dim),
-        *(pl.BlockSpec((None, None, per_step, 1, c), head_beta_index(i, m)) for i in range(m)),
+        *(pl.BlockSpec((None, None, per_step, 1, c), head_index(i, m, 5)) for i in range(m)),
         pl.BlockSpec((None, m, rows, c), chunk_index),
     ]
     args = [k, v, g, *(beta,) * m, tinv]

@@ -27,7 +27,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from gla_core.kit import KERNEL_VMEM_BUDGET_BYTES, fold_vmap, row_to_column
 from gla_kda.pallas import chunk_math as cm
-from gla_kda.pallas.config import KernelConfig, compiler_params, token_block
+from gla_kda.pallas.config import KernelConfig, compiler_params, head_index, token_block
 from gla_kda.pallas.state import heads_per_step
 
 
@@ -118,17 +118,6 @@ def state_bwd_kernel(first_ref, last_ref, seq_ref, *refs, config: KernelConfig, 
                 dh0_ref[i] = grads[i]
 
 
-def reversed_head_index(head: int, heads: int, num_steps: int, rank: int):
-    """Index map of the one-head block of head `head` of the `heads` value heads of grid step
-    (b, j, t) in a head-major [B, HV, ...] array of `rank` dimensions, walking time backwards:
-    value head j * heads + head, time block num_steps - 1 - t (trailing block indices 0)."""
-
-    def index(b, j, t, *_):
-        return (b, j * heads + head, num_steps - 1 - t) + (0,) * (rank - 3)
-
-    return index
-
-
 def reversed_sequence_index(b, j, t, first_ref, last_ref, seq_ref, *, num_steps: int, states_per_row: int):
     """Final/initial state block of the sequence owning step t's chunks (one sequence per step;
     j: the step's block of value heads)."""
@@ -207,11 +196,11 @@ def _launch_state_bwd(
     head_specs, head_args = [], []
     for i in range(m):
         head_specs += [
-            pl.BlockSpec((None, None, rows, key_dim), reversed_head_index(i, m, num_steps, 4)),
-            pl.BlockSpec((None, None, rows, key_dim), reversed_head_index(i, m, num_steps, 4)),
-            pl.BlockSpec((None, None, per_step, 1, c), reversed_head_index(i, m, num_steps, 5)),
-            pl.BlockSpec((None, None, rows, c), reversed_head_index(i, m, num_steps, 4)),
-            pl.BlockSpec((None, None, rows, c), reversed_head_index(i, m, num_steps, 4)),
+            pl.BlockSpec((None, None, rows, key_dim), head_index(i, m, 4, num_steps)),
+            pl.BlockSpec((None, None, rows, key_dim), head_index(i, m, 4, num_steps)),
+            pl.BlockSpec((None, None, per_step, 1, c), head_index(i, m, 5, num_steps)),
+            pl.BlockSpec((None, None, rows, c), head_index(i, m, 4, num_steps)),
+            pl.BlockSpec((None, None, rows, c), head_index(i, m, 4, num_steps)),
         ]
         head_args += [g, g_lo, beta, tinv, aqk]
     in_specs = [
