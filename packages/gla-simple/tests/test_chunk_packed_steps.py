@@ -5,7 +5,8 @@ backward) take `block_chunks` chunks per grid step for packed calls too, resetti
 per-sequence states by DMA at the chunks whose metadata marks a sequence edge (`gla_core.chunk.packed`).
 Every case here has sequences that start and end inside a step, an empty sequence, one shorter
 than a chunk, h0 and ht; outputs and all gradients (dq, dk, dv, the gate's, dh0 with a dht
-cotangent) are compared with the float64 oracle.
+cotangent) are compared with the float64 oracle. A scalar gate is taken chunk by chunk, or, when a
+grid step's steps fill 128-lane rows, broadcast over the keys by the per-key step kernels.
 """
 
 from __future__ import annotations
@@ -30,23 +31,35 @@ BLOCKS = {"block_chunks": 4}
 # backward (the fused one needs all of V in one block).
 TWO_V_TILES = {"block_chunks": 4, "block_v": 128}
 
+# T = 160, N = 6, C = 16: 16 padded chunks, 2 grid steps of 8 (128 steps: the scalar gate in "broadcast"
+# mode). Sequences (chunks): empty, 3 (0), 27 (1-2), 20 (3-4), 110 (5-11, across the step edge and
+# ending inside a step), empty; chunks 12-15 are padding.
+BROADCAST_CU_SEQLENS = [0, 0, 3, 30, 50, 160, 160]
+BROADCAST_BLOCKS = {"block_chunks": 8}
+
 CASES = {
     "g": (dict(op="simple_gla", gates=("g",), value_dim=48), BLOCKS),
+    "g broadcast": (dict(op="simple_gla", gates=("g", "g_gamma"), value_dim=48), BROADCAST_BLOCKS),
     "g_gamma two V tiles": (dict(op="simple_gla", gates=("g_gamma",), value_dim=150), TWO_V_TILES),
     "gk fused backward": (dict(op="gla", value_dim=48), BLOCKS),
     "gk split backward": (dict(op="gla", value_dim=150), TWO_V_TILES),
 }
 
 
+def _cu_seqlens(name: str) -> list[int]:
+    return BROADCAST_CU_SEQLENS if "broadcast" in name else CU_SEQLENS
+
+
 def _case(name: str):
     arguments, _ = CASES[name]
     arguments = dict(arguments)
     op = arguments.pop("op")
+    cu_seqlens = _cu_seqlens(name)
     return testing.make_case(
         op,
-        seq_len=CU_SEQLENS[-1],
+        seq_len=cu_seqlens[-1],
         key_dim=40,
-        cu_seqlens=CU_SEQLENS,
+        cu_seqlens=cu_seqlens,
         chunk_size=CHUNK,
         initial_state=True,
         output_final_state=True,
@@ -73,23 +86,26 @@ def _check(name: str, interpret: bool) -> dict[str, float]:
         inputs["v"],
         chunk_size=CHUNK,
         output_final_state=True,
-        num_sequences=len(CU_SEQLENS) - 1,
+        num_sequences=len(_cu_seqlens(name)) - 1,
         block_sizes=block_sizes_of(options),
         **{n: inputs.get(n) for n in ("k", "g", "g_gamma", "gk", "initial_state")},
     )
     specs = config.sequential_specs()
-    assert specs.packed and specs.chunks_per_step == 4, "the case must take the packed multi-chunk steps"
+    assert specs.packed and specs.chunks_per_step == options["block_chunks"], (
+        "the case must take packed multi-chunk steps"
+    )
+    assert ("broadcast" in name) == (config.gate_mode == "broadcast")
     return testing.check_against_oracle(_chunk_fn(case.op, options, interpret), case)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_packed_steps_match_the_oracle(name, interpret):
     errors = _check(name, interpret)
-    gate_grad = "dgk" if "gk" in name else ("dg" if name == "g" else "dg_gamma")
+    gate_grad = "dgk" if "gk" in name else ("dg_gamma" if name.startswith("g_gamma") else "dg")
     assert {"o", "final_state", "dq", "dk", "dv", gate_grad, "dinitial_state"} <= set(errors)
 
 
-@pytest.mark.parametrize("name", ["g", "gk fused backward"])
+@pytest.mark.parametrize("name", ["g", "g broadcast", "gk fused backward"])
 def test_packed_steps_have_no_races(name, no_races, interpret):
     """Two simulated cores: the grid points of the parallel axes write their own state slices."""
     _check(name, interpret)

@@ -5,8 +5,8 @@ Shapes: B=2, T=4096, H=16, K=V=128 bf16 (fixed length) and B=1, T=8192, 8 packed
 sequences (varlen, `cu_seqlens` traced); gates g, g_gamma and gk; with h0 and final state.
 The training step is `grad(sum(o * do) + sum(final_state))` over every differentiable
 input, and also returns o, so every kernel is in it: on the token-major kernels (fixed length, g
-or gk) and for a per-key gate with K and V in one block the forward and one fused backward,
-otherwise the forward and four split backward kernels. Compile tests print
+or gk) and for a per-key or broadcast scalar gate with K and V in one block the forward and one
+fused backward, otherwise (bfloat16 d g_gamma) the forward and four split backward kernels. Compile tests print
 each kernel's scoped VMEM (`pytest -s`) and check it fits the chip's default scoped VMEM limit, or
 for the token-major kernels, which set their own, `KERNEL_VMEM_BUDGET_BYTES`.
 Under `jax.vmap` the kernels fold the mapped axis into B, so a vmapped training step exports
@@ -29,7 +29,7 @@ SPLIT_BACKWARD = {"chunk_fwd_h", "chunk_bwd_dh", "chunk_bwd_dv", "chunk_bwd_dqkg
 FUSED_BACKWARD = {"chunk_fwd", "chunk_bwd"}
 KERNELS = {
     ("g", "fixed"): FUSED_BACKWARD,  # token-major
-    ("g", "varlen"): {"chunk_fwd", *SPLIT_BACKWARD},
+    ("g", "varlen"): FUSED_BACKWARD,  # the scalar gate broadcast over the keys
     # bfloat16 d g_gamma needs float32 products: head-major
     ("g_gamma", "fixed"): {"chunk_fwd", *SPLIT_BACKWARD},
     ("g_gamma", "varlen"): {"chunk_fwd", *SPLIT_BACKWARD},
@@ -39,8 +39,9 @@ KERNELS = {
 # The token-major kernels take all heads per grid step and ask for their own scoped VMEM limit
 # (g_gamma: its forward alone; its training step differentiates g_gamma and takes the head-major kernels).
 TOKEN_MAJOR = {("g", "fixed"), ("g_gamma", "fixed"), ("gk", "fixed")}
-# The per-key kernels of packed calls take several chunks per grid step and ask for the same limit.
-OWN_VMEM_LIMIT = TOKEN_MAJOR | {("gk", "varlen")}
+# The step kernels of packed calls (per-key or broadcast gate) take several chunks per grid step and
+# ask for the same limit.
+OWN_VMEM_LIMIT = TOKEN_MAJOR | {("gk", "varlen"), ("g", "varlen")}
 GATES = ("g", "g_gamma", "gk")
 LAYOUTS = ("fixed", "varlen")
 

@@ -9,8 +9,10 @@ token-by-token recurrence of `gla_ref.recurrent`, so an error is the kernel's ow
   A    intra-chunk scores A[t, s] = sum_k q_tk k_sk e^{b_tk - b_sk}, s <= t in one chunk
 
 Problems: T not a multiple of the chunk, K and V not multiples of 128, h0 and final state,
-B = 2, K (and for the scalar gate V) padded to two 128-lane tiles; the scalar gate is
-g + g_gamma, the per-key gate gk.
+B = 2, K (and for the chunk-by-chunk scalar gate V) padded to two 128-lane tiles; the scalar gate
+is g + g_gamma, the per-key gate gk. Gate modes (`ChunkSpecs.gate_mode`): "scalar" (V in two tiles,
+so the scalar gate is taken chunk by chunk), "broadcast" (one V tile: the same scalar gate broadcast
+over the keys by the step kernels, C = 128 so every grid step fills 128-lane rows) and "key".
 """
 
 from __future__ import annotations
@@ -55,13 +57,13 @@ class Problem:
 
 
 def _make_case(mode: str):
-    if mode == "scalar":
+    if mode in ("scalar", "broadcast"):
         return make_case(
             "simple_gla",
             batch=2,
-            seq_len=80,
+            seq_len=80 if mode == "scalar" else 250,
             key_dim=160,
-            value_dim=150,
+            value_dim=150 if mode == "scalar" else 100,
             gates=("g", "g_gamma"),
             initial_state=True,
             output_final_state=True,
@@ -146,6 +148,7 @@ def _build(mode: str) -> Problem:
         block_sizes=BlockSizes(block_v=128, block_k=128),
         **{n: inputs.get(n) for n in ("k", "g", "g_gamma", "gk", "initial_state")},
     )
+    assert config.gate_mode == mode
     x = kernel_inputs(config, *(inputs.get(n) for n in ("q", "k", "v", "g", "g_gamma", "gk", "initial_state")), None)
     q, v = inputs["q"], inputs["v"]
     shapes = {"o": v.shape, "final_state": (q.shape[0], q.shape[2], q.shape[3], v.shape[3])}
@@ -165,7 +168,7 @@ def _build(mode: str) -> Problem:
     )
 
 
-@pytest.fixture(scope="module", params=["scalar", "key"])
+@pytest.fixture(scope="module", params=["scalar", "broadcast", "key"])
 def problem(request) -> Problem:
     return _build(request.param)
 
@@ -185,14 +188,29 @@ def _from_kernel_states(states: jax.Array, problem: Problem) -> np.ndarray:
 
 def _gate_grads(da: jax.Array, problem: Problem) -> dict[str, jax.Array]:
     geo = problem.config.geometry
-    if problem.config.gate_mode == "key":
+    mode = problem.config.gate_mode
+    if mode == "key":
         return {"dgk": prepare.key_gate_grad(da, geo, None)}
-    da = prepare.scalar_gate_grad(da, geo, None)
+    da = (prepare.broadcast_gate_grad if mode == "broadcast" else prepare.scalar_gate_grad)(da, geo, None)
     return {"dg": da, "dg_gamma": jnp.sum(da, axis=(0, 1))}
 
 
-# One chunk per grid step, and all NT = 3 chunks of the problems in one step.
-CHUNKS_PER_STEP = (1, 3)
+# The fewest chunks per grid step (one; "broadcast" mode: the 4 chunks of one 128-lane gate row) and
+# all NT chunks of the problem in one step (3; "broadcast": 8, two gate rows).
+CHUNKS_PER_STEP = ("fewest", "all")
+
+
+def _specs_and_gate(problem: Problem, specs, chunks_per_step: str):
+    """`specs` with the chunks per grid step `chunks_per_step` names, and the gate laid out for them
+    (a "broadcast" gate's rows hold the steps of one grid step)."""
+    geo, gate = problem.config.geometry, problem.inputs.gate
+    fewest = 128 // CHUNK if problem.config.gate_mode == "broadcast" else 1
+    specs = specs.with_chunks_per_step(fewest if chunks_per_step == "fewest" else geo.num_chunks)
+    if specs.gate_mode == "broadcast":
+        gate = gate.reshape(geo.batch, geo.num_heads, -1, specs.chunks_per_step * CHUNK // 128, 128)
+    return specs, gate
+
+
 # The per-key gate's gated products: exact everywhere (0), anchored everywhere (a range above every
 # chunk's largest |b_t - b_m|), or anchored in some steps and recomputed exactly in the others.
 ANCHORING = ("exact", "anchored", "mixed")
@@ -201,7 +219,11 @@ ANCHORING = ("exact", "anchored", "mixed")
 def _anchored_ranges(problem: Problem) -> np.ndarray:
     """max |b_t - b_m| of every chunk (all rows, heads, keys), float64 [NT]: what the anchored
     products of `gla_core.chunk.anchored` must accept."""
-    a = np.asarray(problem.case.inputs["gk"], np.float64)
+    inputs = problem.case.inputs
+    if "gk" in inputs:
+        a = np.asarray(inputs["gk"], np.float64)
+    else:  # a scalar gate: one key
+        a = np.asarray(inputs["g"], np.float64)[..., None] + np.asarray(inputs["g_gamma"], np.float64)[:, None]
     b, t, h, k = a.shape
     padded = problem.config.geometry.num_chunks * CHUNK
     cum = np.cumsum(np.pad(a, [(0, 0), (0, padded - t), (0, 0), (0, 0)]).reshape(b, -1, CHUNK, h, k), axis=2)
@@ -210,7 +232,7 @@ def _anchored_ranges(problem: Problem) -> np.ndarray:
 
 
 def _anchor_range(problem: Problem, anchoring: str) -> float:
-    if anchoring == "exact" or problem.config.gate_mode != "key":
+    if anchoring == "exact" or problem.config.gate_mode == "scalar":
         return 0.0
     ranges = _anchored_ranges(problem)
     if anchoring == "anchored":
@@ -223,8 +245,8 @@ def _anchor_range(problem: Problem, anchoring: str) -> float:
 @pytest.mark.parametrize("chunks_per_step", CHUNKS_PER_STEP)
 def test_fwd_h_states_and_final_state(problem, chunks_per_step, no_races, interpret):
     x, config = problem.inputs, problem.config
-    specs = config.specs().with_chunks_per_step(chunks_per_step)
-    h, ht = chunk_fwd_h(x.k, x.v, x.gate, x.h0, x.meta, specs=specs, output_final_state=True, interpret=interpret)
+    specs, gate = _specs_and_gate(problem, config.specs(), chunks_per_step)
+    h, ht = chunk_fwd_h(x.k, x.v, gate, x.h0, x.meta, specs=specs, output_final_state=True, interpret=interpret)
     assert_close("h", _from_kernel_states(h, problem), problem.states, TOL.output)
     final = prepare.state_out(ht, config.geometry)
     assert_close("final_state", final, problem.reference.outputs["final_state"], TOL.output)
@@ -233,16 +255,16 @@ def test_fwd_h_states_and_final_state(problem, chunks_per_step, no_races, interp
 @pytest.mark.parametrize("anchoring", ANCHORING)
 @pytest.mark.parametrize("chunks_per_step", CHUNKS_PER_STEP)
 def test_fwd_outputs_and_final_state(problem, chunks_per_step, anchoring, request, interpret):
-    if problem.config.gate_mode != "key" and anchoring != "exact":
-        pytest.skip("anchored products are those of a per-key gate")
+    if problem.config.gate_mode == "scalar" and anchoring != "exact":
+        pytest.skip("anchored products are those of the step kernels (per-key or broadcast gate)")
     request.getfixturevalue("no_races")  # after the skip: the fixture fails a test that ran no kernel
     x, config = problem.inputs, problem.config
-    specs = config.specs().with_chunks_per_step(chunks_per_step)
+    specs, gate = _specs_and_gate(problem, config.specs(), chunks_per_step)
     o, ht, scores, states = chunk_fwd(
         x.q,
         x.k,
         x.v,
-        x.gate,
+        gate,
         x.h0,
         x.meta,
         specs=specs,
@@ -266,13 +288,14 @@ def test_fwd_outputs_and_final_state(problem, chunks_per_step, anchoring, reques
 @pytest.mark.parametrize("chunks_per_step", CHUNKS_PER_STEP)
 def test_bwd_dh_state_gradients(problem, chunks_per_step, no_races, interpret):
     x, config = problem.inputs, problem.config
+    specs, gate = _specs_and_gate(problem, config.specs(), chunks_per_step)
     dh, dh0 = chunk_bwd_dh(
         x.q,
         problem.do,
-        x.gate,
+        gate,
         problem.dht,
         x.meta,
-        specs=config.specs().with_chunks_per_step(chunks_per_step).reversed(),
+        specs=specs.reversed(),
         scale=config.scale,
         need_dh0=True,
         interpret=interpret,
@@ -286,12 +309,12 @@ def test_bwd_dh_state_gradients(problem, chunks_per_step, no_races, interpret):
 def test_bwd_dv(problem, chunks_per_step, interpret):
     x, config = problem.inputs, problem.config
     dh = _to_kernel_states(problem.state_grads, problem)
-    specs = config.specs().with_chunks_per_step(chunks_per_step)
+    specs, gate = _specs_and_gate(problem, config.specs(), chunks_per_step)
     scores = jnp.asarray(problem.scores, jnp.float32)[:, :, None]
     dv = chunk_bwd_dv(
         x.k,
         problem.do,
-        x.gate,
+        gate,
         dh,
         jnp.repeat(scores, specs.num_tiles, axis=2),
         specs=specs,
@@ -306,20 +329,23 @@ def test_bwd_dv(problem, chunks_per_step, interpret):
 @pytest.mark.parametrize("anchoring", ANCHORING)
 @pytest.mark.parametrize("chunks_per_step", CHUNKS_PER_STEP)
 def test_bwd_dqkg(problem, chunks_per_step, anchoring, interpret):
-    if problem.config.gate_mode != "key" and anchoring != "exact":
-        pytest.skip("anchored products are those of a per-key gate")
+    if problem.config.gate_mode == "broadcast":
+        pytest.skip("a broadcast gate's dq/dk/gate gradients come from the fused backward")
+    if problem.config.gate_mode == "scalar" and anchoring != "exact":
+        pytest.skip("anchored products are those of the step kernels (per-key or broadcast gate)")
     x, config = problem.inputs, problem.config
     h = _to_kernel_states(problem.states, problem)
     dh = _to_kernel_states(problem.state_grads, problem)
+    specs, gate = _specs_and_gate(problem, config.dqkg_specs(), chunks_per_step)
     dq, dk, da = chunk_bwd_dqkg(
         x.q,
         x.k,
         x.v,
         problem.do,
-        x.gate,
+        gate,
         h,
         dh,
-        specs=config.dqkg_specs().with_chunks_per_step(chunks_per_step),
+        specs=specs,
         scale=config.scale,
         interpret=interpret,
         anchor_range=_anchor_range(problem, anchoring),
@@ -337,21 +363,21 @@ def test_bwd_dqkg(problem, chunks_per_step, anchoring, interpret):
 @pytest.mark.parametrize("anchoring", ANCHORING)
 @pytest.mark.parametrize("chunks_per_step", CHUNKS_PER_STEP)
 def test_fused_bwd_gradients(problem, chunks_per_step, anchoring, request, interpret):
-    """`chunk_bwd` (per-key gate only) from exact states and scores: every gradient. Its products
+    """`chunk_bwd` (per-key or broadcast gate) from exact states and scores: every gradient. Its products
     are anchored, so "exact" here is a range below every chunk's (each step recomputed exactly)."""
-    if problem.config.gate_mode != "key":
-        pytest.skip("the fused backward serves a per-key gate")
+    if problem.config.gate_mode == "scalar":
+        pytest.skip("the fused backward serves the step kernels' gates (per-key or broadcast)")
     request.getfixturevalue("no_races")
     x, config = problem.inputs, problem.config
     anchor_range = _anchor_range(problem, anchoring) if anchoring != "exact" else 1e-6
-    specs = config.specs().with_chunks_per_step(chunks_per_step)
+    specs, gate = _specs_and_gate(problem, config.specs(), chunks_per_step)
     scores = jnp.asarray(problem.scores, jnp.float32)[:, :, None]
     dq, dk, dv, da, dh0 = chunk_bwd(
         x.q,
         x.k,
         x.v,
         problem.do,
-        x.gate,
+        gate,
         _to_kernel_states(problem.states, problem),
         scores,
         problem.dht,

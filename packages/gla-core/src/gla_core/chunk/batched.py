@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from gla_core.chunk.common import BATCHED_NN, dot
+from gla_core.tpu import NUM_LANES
 
 
 def chunk_rows(ref, chunks: int, dtype=None) -> jax.Array:
@@ -25,6 +26,36 @@ def store_chunk_rows(ref, value: jax.Array) -> None:
     """Writes `[n, C, D]` into a `[n*C, D]` time block (cast to the ref's dtype)."""
     chunks, rows, width = value.shape
     ref[...] = value.reshape(chunks * rows, width).astype(ref.dtype)
+
+
+def gate_rows(ref, rows: int, keys: int) -> jax.Array:
+    """A grid step's per-key log decays `[n*C, K]` (`rows` = n*C, `keys` = K): a per-key gate's
+    block as it is; a scalar gate's block of "broadcast" mode, `[n*C / 128, 128]` (128 steps per
+    row), turned into columns and broadcast over the keys (a 128 x 128 transpose per row)."""
+    value = ref[...]
+    if value.shape == (rows, keys):
+        return value
+    columns = [jnp.transpose(jnp.broadcast_to(value[r : r + 1], (NUM_LANES, NUM_LANES))) for r in range(value.shape[0])]
+    steps = jnp.concatenate(columns, axis=0) if len(columns) > 1 else columns[0]  # [n*C, 128]: step t in row t
+    return steps if keys == NUM_LANES else jnp.concatenate([steps] * (keys // NUM_LANES), axis=1)
+
+
+def store_gate_rows(ref, grad: jax.Array) -> None:
+    """Writes the gradient of the per-key log decays `[n, C, K]` into a per-key gate's `[n*C, K]`
+    block, or its sum over the keys into a scalar gate's "broadcast" block `[n*C / 128, 128]`."""
+    chunks, rows, keys = grad.shape
+    grad = grad.reshape(chunks * rows, keys)
+    if ref.shape == grad.shape:
+        ref[...] = grad.astype(ref.dtype)
+        return
+    folded = grad[:, :NUM_LANES]
+    for tile in range(1, keys // NUM_LANES):
+        folded = folded + grad[:, tile * NUM_LANES : (tile + 1) * NUM_LANES]
+    sums = [  # the transposed 128 steps of a row: one key per sublane, summed
+        jnp.sum(jnp.transpose(folded[r * NUM_LANES : (r + 1) * NUM_LANES]), axis=0, keepdims=True)
+        for r in range(ref.shape[0])
+    ]
+    ref[...] = (jnp.concatenate(sums, axis=0) if len(sums) > 1 else sums[0]).astype(ref.dtype)
 
 
 def store_per_chunk(ref, value: jax.Array) -> None:

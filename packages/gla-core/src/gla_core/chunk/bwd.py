@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from gla_core.chunk.anchored import StepDecays
-from gla_core.chunk.batched import chunk_rows, load_per_chunk, store_chunk_rows
+from gla_core.chunk.batched import chunk_rows, gate_rows, load_per_chunk, store_chunk_rows, store_gate_rows
 from gla_core.chunk.common import mxu_dtype
 from gla_core.chunk.gates import intra_costs
 from gla_core.chunk.launch import carry_in_step, sequential_call
@@ -55,7 +55,8 @@ def _bwd_kernel(
     anchor_range,
     packed,
 ):
-    q_ref, k_ref, v_ref, do_ref, gate_ref = refs[:5]  # [n*C, K], [n*C, K], [n*C, V], [n*C, V], [n*C, K] float32
+    q_ref, k_ref, v_ref, do_ref = refs[:4]  # [n*C, K], [n*C, K], [n*C, V], [n*C, V]
+    gate_ref = refs[4]  # float32 [n*C, K] ("key" mode) or [n*C / 128, 128] ("broadcast")
     h_ref, scores_ref = refs[5:7]  # [n, V, K] float32, [n, C, C] ([V, K], [C, C] for n = 1)
     dht_ref = refs[7] if has_dht else None  # [V, K] (packed: [N, H, V, K] in HBM)
     table_ref = refs[7 + has_dht]  # the key mask table
@@ -69,7 +70,7 @@ def _bwd_kernel(
     edges = None
     if packed is not None:  # walking backwards, a sequence starts at its last chunk and ends at its first
         edges = ChainEdges(packed.states(last_ref, first_ref, seq_ref, dht_ref, dh0_ref), grad_ref, last_chunk - n + 1)
-    a = gate_ref[...]
+    a = gate_rows(gate_ref, *q_ref.shape)  # [n*C, K]
     decays = StepDecays(a, table_ref, chunk, anchor_range if anchor_range > 0 else None)
     q, k = chunk_rows(q_ref, n, jnp.float32), chunk_rows(k_ref, n, jnp.float32)  # [n, C, K]
     v, do = chunk_rows(v_ref, n), chunk_rows(do_ref, n)  # [n, C, V]
@@ -85,20 +86,20 @@ def _bwd_kernel(
         def _initial():
             dh0_ref[...] = step.end[0]
 
-    operands = (chunk_rows(gate_ref, n), q, k, v, do, states, step.grads, table_ref)
+    operands = (a.reshape(q.shape), q, k, v, do, states, step.grads, table_ref)
 
     def write(dq, dk, da):
         store_chunk_rows(dq_ref, dq)
         store_chunk_rows(dk_ref, dk)
-        store_chunk_rows(da_ref, da)
+        store_gate_rows(da_ref, da)
 
     run_gradients(decays, a, table_ref, operands, write, scale=scale, dtype=dtype, chunk=chunk)
 
 
 def fits(specs: ChunkSpecs) -> bool:
-    """Whether `chunk_bwd` can serve a call of these (value-tiled) specs: a per-key gate, with all of
-    K and V in one block."""
-    return specs.gate_mode == "key" and specs.num_tiles == 1
+    """Whether `chunk_bwd` can serve a call of these (value-tiled) specs: a per-key gate (or a scalar
+    gate in "broadcast" mode), with all of K and V in one block."""
+    return specs.per_step and specs.num_tiles == 1
 
 
 def chunk_bwd(
@@ -118,10 +119,12 @@ def chunk_bwd(
     anchor_range: float,
     interpret: bool,
 ):
-    """dq, dk, dv, the gate gradient and the initial-state gradients of a per-key gate.
+    """dq, dk, dv, the gate gradient and the initial-state gradients of a per-key gate (or of a
+    scalar gate in "broadcast" mode).
 
     Args:
-      q, k: [B, H, Tp, K]; v, do: [B, H, Tp, V]; gate: [B, H, Tp, K] float32 per-step log decays;
+      q, k: [B, H, Tp, K]; v, do: [B, H, Tp, V]; gate: float32 per-step log decays, [B, H, Tp, K]
+        ("key" mode) or [B, H, NT / n, n*C / 128, 128] ("broadcast");
       h: [B, H, NT, V, K] float32, the state before every chunk (`chunk_fwd(keep_states=True)`);
       scores: [B, H, 1, NT, C, C], the forward's intra-chunk scores;
       dht: [N, H, V, K] float32 gradient of the final states, or None (zero).
@@ -131,9 +134,9 @@ def chunk_bwd(
         exact level products everywhere.
 
     Returns:
-      (dq, dk [B, H, Tp, K] in q's dtype, dv [B, H, Tp, V] in v's dtype, d/da [B, H, Tp, K]
-      float32, dh0 [N, H, V, K] float32 or None). Under `jax.vmap` the mapped axis folds into B
-      and N (`gla_core.pallas_transforms.fold_vmap`).
+      (dq, dk [B, H, Tp, K] in q's dtype, dv [B, H, Tp, V] in v's dtype, d/da float32 in the
+      gate's shape ("broadcast" mode: summed over the keys), dh0 [N, H, V, K] float32 or None).
+      Under `jax.vmap` the mapped axis folds into B and N (`gla_core.pallas_transforms.fold_vmap`).
     """
     if not (specs.reverse and fits(specs)):
         raise ValueError("chunk_bwd needs reverse-time value-tiled specs of a per-key gate with one V tile")
@@ -170,7 +173,7 @@ def _launch(
         (jax.ShapeDtypeStruct(q.shape, q.dtype), specs.key()),
         (jax.ShapeDtypeStruct(k.shape, k.dtype), specs.key()),
         (jax.ShapeDtypeStruct(v.shape, v.dtype), specs.value()),
-        (jax.ShapeDtypeStruct(gate.shape, jnp.float32), specs.key()),
+        (jax.ShapeDtypeStruct(gate.shape, jnp.float32), specs.gate()),
     ]
     in_specs = [specs.key(), specs.key(), specs.value(), specs.value(), specs.gate()]
     in_specs += [specs.chunk_state(), specs.chunk_scores()]

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from gla_core.chunk.anchored import StepDecays
-from gla_core.chunk.batched import chunk_rows, state_chain, store_per_chunk
+from gla_core.chunk.batched import chunk_rows, gate_rows, state_chain, store_per_chunk
 from gla_core.chunk.common import BATCHED_TN, TN, dot, mxu_dtype
 from gla_core.chunk.gates import ScalarGate
 from gla_core.chunk.launch import carry_in_chunk, carry_in_step, carry_out_chunk, launch_state_pass, step_edges
@@ -67,7 +67,7 @@ def _bwd_dh_kernel(
 def _bwd_dh_step_kernel(
     first_ref, last_ref, seq_ref, *refs, has_dht, has_dh0, scale, num_chunks, dtype, chunk, chunks_per_step, packed
 ):
-    q_ref, do_ref, gate_ref = refs[:3]  # [n*C, K], [n*C, Vt], [n*C, K] float32
+    q_ref, do_ref, gate_ref = refs[:3]  # [n*C, K], [n*C, Vt], [n*C, K] or [n*C / 128, 128] float32
     dht_ref = refs[3] if has_dht else None  # [Vt, K] (packed: [N, H, V, K] in HBM)
     table_ref = refs[3 + has_dht]  # the key mask table
     outs = refs[4 + has_dht :]
@@ -82,7 +82,7 @@ def _bwd_dh_step_kernel(
     if packed is not None:  # walking backwards, a sequence starts at its last chunk and ends at its first
         states = packed.states(last_ref, first_ref, seq_ref, dht_ref, dh0_ref)
         edges = ChainEdges(states, grad_ref, last_chunk - n + 1)
-    decays = StepDecays(gate_ref[...], table_ref, chunk)
+    decays = StepDecays(gate_rows(gate_ref, *q_ref.shape), table_ref, chunk)
     q = chunk_rows(q_ref, n, jnp.float32)  # [n, C, K]
     updates = scale * dot(chunk_rows(do_ref, n), q * decays.from_start, BATCHED_TN, dtype)  # [n, Vt, K]
     grads, grad = state_chain(grad_ref[...][None], decays.last_decay, updates, reverse=True, edges=edges)
@@ -128,7 +128,7 @@ def _launch(q, do, gate, dht, first, last, sequence, *, specs: ChunkSpecs, scale
         chunks_per_step=specs.chunks_per_step,
         packed=specs.packed_layout(),
     )
-    per_step = specs.gate_mode == "key"
+    per_step = specs.per_step
     if per_step:
         kernel = functools.partial(_bwd_dh_step_kernel, chunk=specs.chunk, **flags)
     else:

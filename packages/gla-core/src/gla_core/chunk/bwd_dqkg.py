@@ -163,6 +163,8 @@ def chunk_bwd_dqkg(
     """
     if specs.tiled != "k":
         raise ValueError("chunk_bwd_dqkg needs K-tiled specs with all of V in a block (ChunkSpecs.key_tiled)")
+    if specs.gate_mode == "broadcast":
+        raise ValueError('chunk_bwd_dqkg serves gate modes "scalar" and "key", got "broadcast" (see bwd.chunk_bwd)')
     dtype = jnp.float32 if float32_products else mxu_dtype(q.dtype)
     launch = functools.partial(
         _launch, specs=specs, scale=scale, dtype=dtype, anchor_range=anchor_range, interpret=interpret

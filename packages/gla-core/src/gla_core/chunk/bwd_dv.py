@@ -15,7 +15,7 @@ import functools
 import jax.numpy as jnp
 
 from gla_core.chunk.anchored import StepDecays
-from gla_core.chunk.batched import chunk_rows, load_per_chunk, store_chunk_rows
+from gla_core.chunk.batched import chunk_rows, gate_rows, load_per_chunk, store_chunk_rows
 from gla_core.chunk.common import BATCHED_NT, BATCHED_TN, NT, TN, dot, mxu_dtype
 from gla_core.chunk.gates import ScalarGate
 from gla_core.chunk.launch import launch_value_pass
@@ -35,10 +35,10 @@ def _bwd_dv_kernel(k_ref, do_ref, gate_ref, dh_ref, scores_ref, dv_ref, *, scale
 def _bwd_dv_step_kernel(
     k_ref, do_ref, gate_ref, dh_ref, scores_ref, table_ref, dv_ref, *, scale, dtype, chunks_per_step
 ):
-    # k [n*C, K]; do [n*C, Vt]; gate [n*C, K] float32; dh [n, Vt, K] float32; scores [n, C, C]
+    # k [n*C, K]; do [n*C, Vt]; gate [n*C, K] or [n*C / 128, 128] float32; dh [n, Vt, K] float32; scores [n, C, C]
     # ([Vt, K] and [C, C] for n = 1); the key mask table; dv [n*C, Vt]
     n = chunks_per_step
-    decays = StepDecays(gate_ref[...], table_ref, k_ref.shape[0] // n)
+    decays = StepDecays(gate_rows(gate_ref, *k_ref.shape), table_ref, k_ref.shape[0] // n)
     k_decayed = chunk_rows(k_ref, n, jnp.float32) * decays.to_end  # [n, C, K]
     from_state = dot(k_decayed, load_per_chunk(dh_ref, n), BATCHED_NT, dtype)  # [n, C, Vt]
     intra = dot(load_per_chunk(scores_ref, n), chunk_rows(do_ref, n), BATCHED_TN, dtype)  # [n, C, Vt]
@@ -63,7 +63,7 @@ def chunk_bwd_dv(k, do, gate, dh, scores, *, specs: ChunkSpecs, scale: float, dt
 
 
 def _launch(k, do, gate, dh, scores, *, specs: ChunkSpecs, scale: float, dtype, interpret: bool):
-    per_step = specs.gate_mode == "key"
+    per_step = specs.per_step
     if per_step:
         kernel = functools.partial(
             _bwd_dv_step_kernel, scale=scale, dtype=mxu_dtype(k.dtype), chunks_per_step=specs.chunks_per_step

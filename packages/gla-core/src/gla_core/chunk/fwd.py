@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from gla_core.chunk.anchored import StepDecays
-from gla_core.chunk.batched import chunk_rows, store_chunk_rows, store_per_chunk
+from gla_core.chunk.batched import chunk_rows, gate_rows, store_chunk_rows, store_per_chunk
 from gla_core.chunk.common import NT, TN, causal_dot, dot, mxu_dtype
 from gla_core.chunk.gates import ScalarGate
 from gla_core.chunk.launch import carry_in_chunk, carry_in_step, carry_out_chunk, launch_output_pass, step_edges
@@ -101,7 +101,7 @@ def _step_kernel(
     anchor_range,
     packed,
 ):
-    q_ref, k_ref, v_ref, gate_ref = refs[:4]  # [n*C, K], [n*C, K], [n*C, Vt], [n*C, K] float32
+    q_ref, k_ref, v_ref, gate_ref = refs[:4]  # [n*C, K], [n*C, K], [n*C, Vt], [n*C, K] or [n*C / 128, 128] float32
     h0_ref = refs[4] if has_h0 else None  # [Vt, K] (packed: [N, H, V, K] in HBM)
     table_ref = refs[4 + has_h0]  # the key mask table
     outs = refs[5 + has_h0 :]
@@ -117,7 +117,7 @@ def _step_kernel(
     edges = None
     if packed is not None:
         edges = ChainEdges(packed.states(first_ref, last_ref, seq_ref, h0_ref, ht_ref), state_ref, first_chunk)
-    a = gate_ref[...]
+    a = gate_rows(gate_ref, *q_ref.shape)  # [n*C, K]
     q, k = chunk_rows(q_ref, n, jnp.float32), chunk_rows(k_ref, n, jnp.float32)  # [n, C, K]
     v = chunk_rows(v_ref, n)  # [n, C, Vt]
     decays = StepDecays(a, table_ref, chunk, anchor_range if anchor_range > 0 else None)
@@ -160,7 +160,8 @@ def chunk_fwd(
 
     Args:
       q, k: [B, H, Tp, K] (Tp = NT * C, K a multiple of 128); v: [B, H, Tp, V].
-      gate: per-step log decays, float32: "scalar" mode [B, H, NT, 1, C] or "key" mode [B, H, Tp, K].
+      gate: per-step log decays, float32, by `specs.gate_mode`: "scalar" [B, H, NT, 1, C], "key"
+        [B, H, Tp, K] or "broadcast" [B, H, NT / n, n*C / 128, 128].
       h0: [N, H, V, K] float32 or None (N = B * specs.states_per_row).
       meta: `ChunkMeta` (first/last/sequence per chunk).
       specs: V-tiled block shapes and index maps of this call (packed sequences with several chunks
@@ -219,7 +220,7 @@ def _launch(
         dtype=dtype,
         packed=specs.packed_layout(),
     )
-    per_step = specs.gate_mode == "key"
+    per_step = specs.per_step
     if per_step:
         kernel = functools.partial(
             _step_kernel,

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from gla_core.chunk.anchored import StepDecays
-from gla_core.chunk.batched import chunk_rows, state_chain, store_per_chunk
+from gla_core.chunk.batched import chunk_rows, gate_rows, state_chain, store_per_chunk
 from gla_core.chunk.common import BATCHED_TN, TN, dot, mxu_dtype
 from gla_core.chunk.gates import ScalarGate
 from gla_core.chunk.launch import carry_in_chunk, carry_in_step, carry_out_chunk, launch_state_pass, step_edges
@@ -49,7 +49,7 @@ def _fwd_h_kernel(first_ref, last_ref, seq_ref, *refs, has_h0, has_ht, dtype, ch
 
 
 def _fwd_h_step_kernel(first_ref, last_ref, seq_ref, *refs, has_h0, has_ht, dtype, chunk, chunks_per_step, packed):
-    k_ref, v_ref, gate_ref = refs[:3]  # [n*C, K], [n*C, Vt], [n*C, K] float32
+    k_ref, v_ref, gate_ref = refs[:3]  # [n*C, K], [n*C, Vt], [n*C, K] or [n*C / 128, 128] float32
     h0_ref = refs[3] if has_h0 else None  # [Vt, K] (packed: [N, H, V, K] in HBM)
     table_ref = refs[3 + has_h0]  # the key mask table
     outs = refs[4 + has_h0 :]
@@ -62,7 +62,7 @@ def _fwd_h_step_kernel(first_ref, last_ref, seq_ref, *refs, has_h0, has_ht, dtyp
     edges = None
     if packed is not None:
         edges = ChainEdges(packed.states(first_ref, last_ref, seq_ref, h0_ref, ht_ref), state_ref, first_chunk)
-    decays = StepDecays(gate_ref[...], table_ref, chunk)
+    decays = StepDecays(gate_rows(gate_ref, *k_ref.shape), table_ref, chunk)
     k = chunk_rows(k_ref, n, jnp.float32)  # [n, C, K]
     updates = dot(chunk_rows(v_ref, n), k * decays.to_end, BATCHED_TN, dtype)  # [n, Vt, K]
     states, state = state_chain(state_ref[...][None], decays.last_decay, updates, edges=edges)  # one group
@@ -83,7 +83,8 @@ def chunk_fwd_h(k, v, gate, h0, meta, *, specs: ChunkSpecs, output_final_state: 
     Args:
       k: [B, H, Tp, K] (Tp = NT * C, K a multiple of 128).
       v: [B, H, Tp, V].
-      gate: per-step log decays, float32: "scalar" mode [B, H, NT, 1, C] or "key" mode [B, H, Tp, K].
+      gate: per-step log decays, float32, by `specs.gate_mode`: "scalar" [B, H, NT, 1, C], "key"
+        [B, H, Tp, K] or "broadcast" [B, H, NT / n, n*C / 128, 128].
       h0: [N, H, V, K] float32 or None (N = B * specs.states_per_row).
       meta: `ChunkMeta` (first/last/sequence per chunk).
       specs: block shapes and index maps of this call.
@@ -103,7 +104,7 @@ def _launch(k, v, gate, h0, first, last, sequence, *, specs: ChunkSpecs, output_
     flags = dict(
         has_h0=h0 is not None, has_ht=output_final_state, dtype=mxu_dtype(k.dtype), packed=specs.packed_layout()
     )
-    per_step = specs.gate_mode == "key"
+    per_step = specs.per_step
     if per_step:
         kernel = functools.partial(
             _fwd_h_step_kernel, chunk=specs.chunk, chunks_per_step=specs.chunks_per_step, **flags

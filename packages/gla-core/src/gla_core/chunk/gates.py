@@ -271,8 +271,8 @@ def intra_costs(mode: str, chunk: int, keys: int, products: int, anchored: bool 
 
 
 def mask_table_inputs(mode: str, chunk: int) -> tuple[list[jax.Array], list[pl.BlockSpec]]:
-    """The extra kernel input of a gate mode and its block spec: the `KeyMaskTable` for "key",
-    nothing for "scalar"."""
+    """The extra kernel input of a gate mode and its block spec: the `KeyMaskTable` for "key" and
+    "broadcast", nothing for "scalar"."""
     if mode == "scalar":
         return [], []
     table = KeyMaskTable(chunk)

@@ -150,7 +150,7 @@ def launch_state_pass(
     kinds = "sss" + "rrc" + "s" * (state_in is not None) + "c" + "s" * state_out + "s"
     (states,), state = sequential_call(
         name,
-        kernel if specs.gate_mode == "key" else for_each_chunk(kernel, specs, kinds, pass_chunk=True),
+        kernel if specs.per_step else for_each_chunk(kernel, specs, kinds, pass_chunk=True),
         [row, column, gate],
         [specs.key(), specs.value(), specs.gate()],
         state_in,
@@ -199,7 +199,7 @@ def launch_output_pass(
     nv, nt, c = specs.num_tiles, specs.num_chunks, specs.chunk
     gate_flops, transcendentals = intra_costs(specs.gate_mode, c, kdim, products=1, anchored=anchored)
     has_scores = scores_dtype is not None
-    if specs.gate_mode != "key":
+    if not specs.per_step:
         # first, last, sequence; q, k, v, gate, [state_in]; o, [scores], [states], [state_out]; the carried state
         kinds = "sss" + "rrrc" + "s" * (state_in is not None) + "r"
         kinds += "c" * has_scores + "c" * keep_states + "s" * state_out + "s"
@@ -289,7 +289,7 @@ def _vmem_limit(specs: ChunkSpecs) -> int | None:
     """The scoped VMEM limit of a sequential kernel: `KERNEL_VMEM_BUDGET_BYTES` for the per-key
     kernels of packed calls (all n chunks of a step at once: the fused backward at n = 4, C = 128,
     K = V = 128 takes 18.5 MiB on v5e, above Mosaic's default of 16), else Mosaic's default."""
-    return KERNEL_VMEM_BUDGET_BYTES if specs.packed and specs.gate_mode == "key" else None
+    return KERNEL_VMEM_BUDGET_BYTES if specs.packed and specs.per_step else None
 
 
 def launch_value_pass(
@@ -322,7 +322,7 @@ def launch_value_pass(
     table, table_spec = mask_table_inputs(specs.gate_mode, c)
     with jax.named_scope(name):
         return pl.pallas_call(
-            kernel if specs.gate_mode == "key" else for_each_chunk(kernel, specs, "rrccc" + "r"),
+            kernel if specs.per_step else for_each_chunk(kernel, specs, "rrccc" + "r"),
             out_shape=out_shape,
             grid=specs.grid(b, hh),
             in_specs=[specs.key(), specs.value(), specs.gate(), specs.chunk_state(), specs.chunk_scores(), *table_spec],

@@ -41,9 +41,10 @@ from gla_core.chunk.empty import empty_attention, has_no_tokens
 from gla_core.chunk.fwd import chunk_fwd
 from gla_core.chunk.fwd_h import chunk_fwd_h
 from gla_core.chunk.heads import TokenGeometry
-from gla_core.chunk.specs import ChunkSpecs
+from gla_core.chunk.specs import ChunkSpecs, chunks_per_step
 from gla_core.ops import CHUNK_SIZES
 from gla_core.pallas_transforms import first_order_only
+from gla_core.tpu import NUM_LANES
 
 IMPLEMENTATION = "chunk"
 OPS = "simple_gla/gla"
@@ -67,6 +68,9 @@ class ChunkConfig:
       head_major_only: take the head-major kernels even when the token-major ones fit (set by the
         VJP when the gate gradient needs float32 products, which the token-major backward cannot
         hold in VMEM for all heads at once).
+      chunkwise_scalar_gate: take a scalar gate chunk by chunk ("scalar" mode) even where the step
+        kernels could broadcast it over the keys ("broadcast" mode); set with `head_major_only`, as
+        only the chunk-by-chunk gradient kernels multiply in float32.
     """
 
     geometry: prepare.Geometry
@@ -77,6 +81,7 @@ class ChunkConfig:
     dtypes: tuple[tuple[str, str], ...]
     anchor_range: float = 0.0
     head_major_only: bool = False
+    chunkwise_scalar_gate: bool = False
 
     @classmethod
     def create(
@@ -113,7 +118,22 @@ class ChunkConfig:
 
     @property
     def gate_mode(self) -> str:
-        return "key" if self.has("gk") else "scalar"
+        """The head-major kernels' gate mode (`ChunkSpecs.gate_mode`): "key" for gk; a scalar gate is
+        "broadcast" over the keys in the step kernels when one V tile lets the fused backward
+        (`bwd.chunk_bwd`) serve it and a grid step's steps fill whole 128-lane rows, else "scalar"
+        (chunk by chunk)."""
+        if self.has("gk"):
+            return "key"
+        geo = self.geometry
+        one_value_tile = self.block_sizes.value_tile(geo.padded_value_dim) == geo.padded_value_dim
+        whole_rows = self.step_len % NUM_LANES == 0
+        return "broadcast" if one_value_tile and whole_rows and not self.chunkwise_scalar_gate else "scalar"
+
+    @property
+    def step_len(self) -> int:
+        """Steps of one grid step of the sequential kernels, n*C (`sequential_specs`)."""
+        geo = self.geometry
+        return chunks_per_step(geo.num_chunks, self.block_sizes.block_chunks) * geo.chunk
 
     def has(self, name: str) -> bool:
         return name in dict(self.dtypes)
@@ -178,7 +198,8 @@ class KernelInputs:
     """The op's arrays in the kernels' layout (see `prepare`), and the residuals of the VJP.
 
     q, k: [B, H, Tp, Kp]; v: [B, H, Tp, Vp] (compute dtype); gate: per-step log decays
-    [B, H, NT, 1, C] or [B, H, Tp, Kp] (float32); h0: [N, H, Vp, Kp] float32 or None;
+    [B, H, NT, 1, C], [B, H, Tp, Kp] or [B, H, NT / n, n*C / 128, 128] by the config's gate mode
+    (float32); h0: [N, H, Vp, Kp] float32 or None;
     meta: per-chunk metadata; layout: the varlen chunk layout or None;
     scores: the forward's intra-chunk scores [B, H, NF, NT, C, C] (residual of the VJP) or None;
     states: the state before every chunk [B, H, NT, Vp, Kp] float32 (residual of the VJP for the
@@ -210,7 +231,10 @@ def kernel_inputs(config: ChunkConfig, q, k, v, g, g_gamma, gk, initial_state, c
             a = a + g.astype(jnp.float32)
         if g_gamma is not None:
             a = a + g_gamma.astype(jnp.float32)
-        gate = prepare.scalar_gate(a, geo, layout)
+        if config.gate_mode == "broadcast":
+            gate = prepare.broadcast_gate(a, geo, layout, config.step_len)
+        else:
+            gate = prepare.scalar_gate(a, geo, layout)
     return KernelInputs(
         *(prepare.to_kernel(x, geo, layout, config.compute_dtype) for x in (q, k, v)),
         gate=gate,
@@ -335,7 +359,8 @@ def op_gradients(config: ChunkConfig, layout, dq, dk, dv, da, dh0, dht):
     if config.gate_mode == "key":
         dgk = prepare.key_gate_grad(da, geo, layout).astype(config.dtype_of("gk"))
     else:
-        da = prepare.scalar_gate_grad(da, geo, layout)  # [B, T, H]
+        to_op = prepare.broadcast_gate_grad if config.gate_mode == "broadcast" else prepare.scalar_gate_grad
+        da = to_op(da, geo, layout)  # [B, T, H]
         if config.has("g"):
             dg = da.astype(config.dtype_of("g"))
         if config.has("g_gamma"):
@@ -372,7 +397,7 @@ def define_chunk_vjp(
     terms (a fuzzed bfloat16 case: 85 out of 4400), so bfloat16 rounding of the states and scores,
     harmless for each step's d/da, was 10% of it. float32 products cost the dq/dk/gate kernel
     more MXU passes, so they are used only when d g_gamma is needed; `for_float32_gate_grad(config)`,
-    if given, is the config the forward then runs with.
+    if given, is the config the forward and the backward then run with.
     """
     guarded_forward = first_order_only(forward, implementation=implementation, op=op, nondiff_argnums=(0,))
     guarded_backward = first_order_only(backward, implementation=implementation, op=op, nondiff_argnums=(0,))
@@ -391,6 +416,8 @@ def define_chunk_vjp(
             do = jnp.zeros(do.aval.shape, do.aval.dtype)
         if isinstance(dht, jax.custom_derivatives.SymbolicZero):
             dht = None
+        if x.float32_gate_grad and for_float32_gate_grad is not None:
+            config = for_float32_gate_grad(config)  # the config the forward ran with
         return guarded_backward(config, x, (do, dht))
 
     fn.defvjp(forward_rule, backward_rule, symbolic_zeros=True)
@@ -408,7 +435,7 @@ define_chunk_vjp(
     implementation=IMPLEMENTATION,
     op=OPS,
     g_gamma_argnum=5,
-    for_float32_gate_grad=lambda config: dataclasses.replace(config, head_major_only=True),
+    for_float32_gate_grad=lambda config: dataclasses.replace(config, head_major_only=True, chunkwise_scalar_gate=True),
 )
 
 

@@ -8,8 +8,9 @@ inputs (`B == 1`, `cu_seqlens`) are gathered into the padded per-sequence chunk 
 and a zero log decay, so they change no state.
 
 Gates stay per-step log decays `a_t` (float32, floored at `gates.GATE_FLOOR` so a hard reset
-of -inf stays exact) in the chunk layout: the kernels form every segment sum they exponentiate
-themselves (see `gates`), and return d/da.
+of -inf stays exact) in the chunk layout (a scalar gate as `[B, H, NT, 1, C]` rows for the
+chunk-by-chunk kernels, or with 128 steps per row for the step kernels, see `ChunkSpecs`): the
+kernels form every segment sum they exponentiate themselves (see `gates`), and return d/da.
 """
 
 from __future__ import annotations
@@ -128,6 +129,18 @@ def scalar_gate(a, geo: Geometry, layout):
     """Per-step log decay [B, T, H] to the kernels' [B, H, NT, 1, C] (float32, floored)."""
     a = _time_to_chunks(floor_gates(a.astype(jnp.float32)), geo, layout)
     return jnp.swapaxes(a, 1, 2).reshape(geo.batch, geo.num_heads, geo.num_chunks, 1, geo.chunk)
+
+
+def broadcast_gate(a, geo: Geometry, layout, step_len: int):
+    """Per-step log decay [B, T, H] to the step kernels' [B, H, Tp / L, L / 128, 128] ("broadcast"
+    mode, L = `step_len` = n*C steps per grid step, a multiple of 128; float32, floored)."""
+    a = _time_to_chunks(floor_gates(a.astype(jnp.float32)), geo, layout)
+    return jnp.swapaxes(a, 1, 2).reshape(geo.batch, geo.num_heads, -1, step_len // NUM_LANES, NUM_LANES)
+
+
+def broadcast_gate_grad(da, geo: Geometry, layout):
+    """The kernels' d/da of a "broadcast" gate [B, H, Tp / L, L / 128, 128] to [B, T, H] (float32)."""
+    return _time_from_chunks(jnp.swapaxes(da.reshape(geo.batch, geo.num_heads, -1), 1, 2), geo, layout)
 
 
 def scalar_gate_grad(da, geo: Geometry, layout):

@@ -1,13 +1,14 @@
 """Block shapes and index maps of the chunk kernels, in one place.
 
 Kernel inputs live in `[B, H, Tp, D]` (time-major per head, D padded to 128 lanes), scalar
-gates in `[B, H, NT, 1, C]`, per-chunk states in `[B, H, NT, V, K]`, per-chunk intra-chunk
-scores in `[B, H, NF, NT, C, C]`, per-sequence states in `[N, H, V, K]`. Grids are
-`(B, H, NF, NT / n)`: the third axis tiles one feature dimension (V for the state and output
-kernels, K for the dq/dk/dgate kernel), the last is time. With
-scalar prefetch the index maps also receive the per-chunk metadata refs
-`(first, last, sequence)` after the grid indices. Per-sequence states of packed calls with several
-chunks per step are not blocked: they stay in HBM (`state_of_sequence`, `packed`).
+gates in `[B, H, NT, 1, C]` ("scalar" mode) or `[B, H, NT / n, n*C / 128, 128]` ("broadcast"
+mode), per-chunk states in `[B, H, NT, V, K]`, per-chunk intra-chunk scores in
+`[B, H, NF, NT, C, C]`, per-sequence states in `[N, H, V, K]`. Grids are `(B, H, NF, NT / n)`:
+the third axis tiles one feature dimension (V for the state and output kernels, K for the
+dq/dk/dgate kernel), the last is time. With scalar prefetch the index maps also receive the
+per-chunk metadata refs `(first, last, sequence)` after the grid indices. Per-sequence states of
+packed calls with several chunks per step are not blocked: they stay in HBM (`state_of_sequence`,
+`packed`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,12 @@ import dataclasses
 from jax.experimental import pallas as pl
 
 from gla_core.chunk.packed import PackedLayout
+from gla_core.tpu import NUM_LANES
+
+
+def chunks_per_step(num_chunks: int, most: int) -> int:
+    """The largest number of chunks per grid step that divides `num_chunks` and is <= `most`."""
+    return max(d for d in range(1, min(most, num_chunks) + 1) if num_chunks % d == 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,7 +31,10 @@ class ChunkSpecs:
     """BlockSpecs for one call.
 
     Attributes:
-      gate_mode: "scalar" (gate blocks `[1, C]`) or "key" (`[C, Kt]`).
+      gate_mode: "scalar" (gate blocks `[1, C]`, one chunk at a time), "key" (`[n*C, Kt]`, the n
+        chunks of a grid step together) or "broadcast" (a scalar gate as `[n*C / 128, 128]`, 128
+        steps per row, taken by the kernels of "key" mode broadcast over the keys,
+        `batched.gate_rows`; n*C a multiple of 128).
       chunk: C, the time tile.
       num_chunks: NT.
       key_dim, value_dim: padded K and V.
@@ -85,12 +95,17 @@ class ChunkSpecs:
 
     def with_chunks_per_step(self, most: int) -> ChunkSpecs:
         """The same call with the largest number of chunks per grid step that divides NT and is <= `most`."""
-        steps = max(d for d in range(1, min(most, self.num_chunks) + 1) if self.num_chunks % d == 0)
-        return dataclasses.replace(self, chunks_per_step=steps)
+        return dataclasses.replace(self, chunks_per_step=chunks_per_step(self.num_chunks, most))
 
     def reversed(self) -> ChunkSpecs:
         """The same call, walking time backwards."""
         return dataclasses.replace(self, reverse=True)
+
+    @property
+    def per_step(self) -> bool:
+        """Whether the kernels take the n chunks of a grid step together with per-key decays ("key"
+        and "broadcast" modes) rather than chunk by chunk ("scalar")."""
+        return self.gate_mode != "scalar"
 
     @property
     def num_tiles(self) -> int:
@@ -137,9 +152,18 @@ class ChunkSpecs:
         return pl.BlockSpec((None, None, self.chunk * self.chunks_per_step, self.block_v), value_index)
 
     def gate(self) -> pl.BlockSpec:
-        """The per-step log decays: [(n,) 1, C] of [B, H, NT, 1, C] or [n*C, Kt] of [B, H, Tp, K]."""
+        """The per-step log decays by `gate_mode`: [(n,) 1, C] of [B, H, NT, 1, C], [n*C, Kt] of
+        [B, H, Tp, K] or [n*C / 128, 128] of [B, H, NT / n, n*C / 128, 128]."""
         if self.gate_mode == "key":
             return self.key()
+        if self.gate_mode == "broadcast":
+
+            def broadcast_gate_index(*indices):
+                b, h, _, _, c = self._position(indices)
+                return b, h, c, 0, 0
+
+            rows = self.chunk * self.chunks_per_step // NUM_LANES
+            return pl.BlockSpec((None, None, None, rows, NUM_LANES), broadcast_gate_index)
 
         def scalar_gate_index(*indices):
             b, h, _, _, c = self._position(indices)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from gla_core.chunk import prepare
 from gla_core.chunk.gates import floor_gates
 from gla_core.chunk.heads import TokenGeometry
+from gla_core.chunk.specs import chunks_per_step
 from gla_core.chunk.token_bwd import token_bwd
 from gla_core.chunk.token_fwd import token_fwd
 from gla_core.pallas_transforms import fold_vmap
@@ -34,7 +35,7 @@ def geometry(config, step_chunks: int) -> TokenGeometry:
     The forward and the backward may take different n: what the forward keeps is laid out per chunk."""
     geo = config.geometry
     most = max(1, min(config.block_sizes.block_chunks, step_chunks // geo.num_heads))
-    steps = max(d for d in range(1, min(most, geo.num_chunks) + 1) if geo.num_chunks % d == 0)
+    steps = chunks_per_step(geo.num_chunks, most)
     return TokenGeometry(
         geo.seq_len,
         geo.num_heads,
@@ -43,7 +44,7 @@ def geometry(config, step_chunks: int) -> TokenGeometry:
         geo.chunk,
         steps,
         interpret=config.interpret,
-        scalar_gate=config.gate_mode == "scalar",
+        scalar_gate=config.gate_mode != "key",
     )
 
 
