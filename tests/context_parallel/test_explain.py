@@ -50,8 +50,8 @@ def test_packed_shards_and_who_declines():
     resolution = _explain("simple_gla", dict(q=q, k=q, v=q, g=q[..., 0]), cu_seqlens=cu, interpret=True)
     assert resolution.call.num_sequences == len(checks.CU_SEQLENS) - 1
     reasons = {c.implementation.name: c.reason for c in resolution.candidates}
-    assert "varlen" in reasons["fused_chunk"], reasons  # the fused kernels handle fixed-length batches only
-    assert resolution.winner.name == "chunk", str(resolution)
+    assert reasons["fused_chunk"] is None and reasons["chunk"] is None, reasons  # both take packed sequences
+    assert resolution.winner.name == "fused_chunk", str(resolution)
 
 
 def test_dense_transition_adds_key_columns():

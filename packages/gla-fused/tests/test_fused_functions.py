@@ -23,7 +23,7 @@ def _structs(case):
         (dict(gates=("g_gamma",)), "fused_chunk"),
         (dict(gates=("g",)), "fused_chunk"),
         (dict(gates=("g", "g_gamma")), "fused_chunk"),
-        (dict(gates=("g_gamma",), num_heads=1, cu_seqlens=[0, 30, 100]), "chunk"),
+        (dict(gates=("g_gamma",), num_heads=1, cu_seqlens=[0, 30, 100]), "fused_chunk"),
     ],
     ids=["g_gamma", "g", "g+g_gamma", "varlen"],
 )

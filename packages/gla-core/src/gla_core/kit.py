@@ -19,7 +19,7 @@ TPU helpers
 JAX transformations through Pallas implementations
   fold_vmap, first_order_only
 Packed sequences
-  varlen (ChunkLayout, build_chunk_layout, to_chunks, from_chunks)
+  varlen (ChunkLayout, build_chunk_layout, num_padded_chunks, to_chunks, gather_chunks, from_chunks)
 The shared Pallas chunk kernels (simple_gla / gla) and their pieces
   chunk_gated_attention, chunk_fwd_h, chunk_bwd_dqkg, ChunkConfig, KernelInputs, kernel_inputs, define_chunk_vjp,
   op_gradients, prepare, BlockSizes, DEFAULT_BLOCK_SIZES, ChunkMasks, ScalarGate, GATE_FLOOR,
@@ -125,7 +125,7 @@ from gla_core.validation import (
     validate_common,
     validate_qkv,
 )
-from gla_core.varlen import ChunkLayout, build_chunk_layout, from_chunks, to_chunks
+from gla_core.varlen import ChunkLayout, build_chunk_layout, from_chunks, gather_chunks, num_padded_chunks, to_chunks
 
 
 def op_spec(name: str) -> OpSpec:
@@ -207,6 +207,7 @@ __all__ = [
     "floor_gates",
     "fold_vmap",
     "from_chunks",
+    "gather_chunks",
     "has_no_tokens",
     "heads_per_group",
     "hookimpl",
@@ -220,6 +221,7 @@ __all__ = [
     "merge_heads",
     "multiple_of",
     "mxu_dtype",
+    "num_padded_chunks",
     "op_gradients",
     "op_spec",
     "pad_axis",

@@ -120,15 +120,22 @@ def build_chunk_layout(cu_seqlens: jax.Array, total_len: int, chunk_size: int) -
     )
 
 
-def to_chunks(x: jax.Array, layout: ChunkLayout) -> jax.Array:
-    """Packed `[1, T, ...]` to padded `[1, NT * C, ...]`; padding slots are zero."""
+def gather_chunks(x: jax.Array, layout: ChunkLayout) -> jax.Array:
+    """Packed `[1, T, ...]` to padded `[1, NT * C, ...]`, padding slots holding other tokens of `x`
+    (one gather; for kernels that zero the padding steps themselves by `chunk_length`: on TPU, XLA
+    zeroes them in a second pass over the whole array, see `to_chunks`)."""
     if x.shape[1] == 0:  # only empty sequences: every slot is padding
         return jnp.zeros((1, layout.padded_len, *x.shape[2:]), x.dtype)
-    gathered = jnp.take(x[0], layout.slot_source, axis=0)
-    mask = layout.slot_valid.reshape((-1,) + (1,) * (x.ndim - 2))
-    return jnp.where(mask, gathered, jnp.zeros((), x.dtype))[None]
+    # every slot_source is in bounds; "fill" (take's default) would add a select over the whole result
+    return jnp.take(x[0], layout.slot_source, axis=0, mode="clip")[None]
+
+
+def to_chunks(x: jax.Array, layout: ChunkLayout) -> jax.Array:
+    """Packed `[1, T, ...]` to padded `[1, NT * C, ...]`; padding slots are zero."""
+    mask = layout.slot_valid.reshape((1, -1) + (1,) * (x.ndim - 2))
+    return jnp.where(mask, gather_chunks(x, layout), jnp.zeros((), x.dtype))
 
 
 def from_chunks(y: jax.Array, layout: ChunkLayout) -> jax.Array:
     """Padded `[1, NT * C, ...]` back to packed `[1, T, ...]` (padding slots dropped)."""
-    return jnp.take(y[0], layout.token_slot, axis=0)[None]
+    return jnp.take(y[0], layout.token_slot, axis=0, mode="clip")[None]  # slots in bounds

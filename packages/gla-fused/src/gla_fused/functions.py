@@ -3,11 +3,12 @@
 It calls `gla_core.dispatch` with the first implementation of its family that accepts the
 call, in this order:
 
-- `fused_chunk`: any simple_gla gate (one kernel forward, one backward, on the op's own layout);
+- `fused_chunk`: any simple_gla gate, fixed length or packed varlen (one kernel forward, one
+  backward, on the op's own layout);
 - `fused_g_gamma`: the call's only gate is `g_gamma` (when fused_chunk declines, which it does
   for the same calls: in practice reached with `impl="fused_g_gamma"`);
 - `chunk`, then `xla`: what `chunk_simple_gla` uses, for the calls the fused kernels decline
-  (e.g. packed varlen input) and off TPU, where Pallas kernels run only in TPU interpret mode
+  and off TPU, where Pallas kernels run only in TPU interpret mode
   when asked for (`gla_core.use(interpret=True)` or `GLA_INTERPRET=1`).
 
 The choice depends only on the backend, the interpret setting and the call's static facts,

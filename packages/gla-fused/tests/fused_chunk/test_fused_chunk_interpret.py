@@ -5,7 +5,8 @@ the default tolerance of the input dtype (`gla_ref.testing.TOLERANCES`: float32 
 outputs, 1e-4 for gradients). Each case combines several situations: every gate kind (g,
 g_gamma, g + g_gamma, none), h0/ht, a decay of -10 per step at chunk 128, T not a multiple
 of the chunk, K/V not multiples of 128, one and several chunks per grid step and grid steps
-per sequence, bf16 (head pairs). The tokens per grid step change nothing but the grid.
+per sequence, bf16 (head pairs), packed varlen sequences starting and ending inside grid steps.
+The tokens per grid step change nothing but the grid.
 """
 
 from __future__ import annotations
@@ -185,3 +186,83 @@ def test_tokens_per_grid_step_change_nothing(interpret):
         assert_close(name, results[8][name], ref, tol.output if name in reference.outputs else tol.grad)
         for steps in (4, 2, 1):
             assert_close(f"{name}, {steps} chunks per step", results[steps][name], results[8][name], rearranged.output)
+
+
+# T = 150, N = 7, C = 16: 16 padded chunks, 4 grid steps of 4 chunks (64 tokens). Sequences (chunks):
+# empty, 1 token (0), 29 (1-2), 20 (3-4, across a step edge), empty, 100 (5-11, across two edges and
+# ending inside a step), empty at the end; chunks 12-15 are padding.
+VARLEN_CU_SEQLENS = [0, 0, 1, 30, 50, 50, 150, 150]
+
+
+@pytest.mark.parametrize(
+    "dtype, gates", [(jnp.float32, ("g", "g_gamma")), (jnp.bfloat16, ("g",))], ids=["float32 g+g_gamma", "bf16 g"]
+)
+def test_packed_sequences_match_oracle(dtype, gates, interpret, no_races):
+    """Packed varlen: every sequence restarts from its own initial state and emits its own final state
+    at chunks inside grid steps (by DMA); empty sequences pass h0 through to ht and dht to dh0; every
+    output and gradient matches the oracle (two simulated cores, race detection on)."""
+    case = make_case(
+        "simple_gla",
+        seq_len=VARLEN_CU_SEQLENS[-1],
+        num_heads=4 if dtype == jnp.bfloat16 else 2,
+        key_dim=40,
+        value_dim=48,
+        gates=gates,
+        chunk_size=16,
+        cu_seqlens=VARLEN_CU_SEQLENS,
+        dtype=dtype,
+        initial_state=True,
+        output_final_state=True,
+        seed=7,
+    )
+    q, v = case.inputs["q"], case.inputs["v"]
+    config = FusedConfig.create(
+        q,
+        v,
+        scale=None,
+        output_final_state=True,
+        interpret=True,
+        kernel_chunk=16,
+        block_tokens=64,
+        num_sequences=len(VARLEN_CU_SEQLENS) - 1,
+    )
+    assert (config.block_tokens, config.padded_len) == (64, 256)
+    errors = check_against_oracle(dispatched(interpret, kernel_chunk=16, block_tokens=64), case)
+    expected = {"o", "final_state", "dq", "dk", "dv", "dinitial_state"} | {"d" + gate for gate in gates}
+    assert set(errors) == expected
+
+
+def test_packed_padding_steps_carry_nothing_from_a_non_finite_token(interpret):
+    """The padding steps of packed sequences hold other tokens of the row (token 0 here: the
+    gather is not zeroed in XLA); the kernels zero them with `jnp.where`. With q, k, v of token 0 (the
+    one-token sequence) NaN, every other sequence's outputs, final state and gradients stay finite."""
+    case = make_case(
+        "simple_gla",
+        seq_len=VARLEN_CU_SEQLENS[-1],
+        key_dim=40,
+        value_dim=48,
+        gates=("g",),
+        chunk_size=16,
+        cu_seqlens=VARLEN_CU_SEQLENS,
+        initial_state=True,
+        output_final_state=True,
+        seed=8,
+    )
+    poisoned = {n: case.inputs[n].at[:, 0].set(jnp.nan) for n in ("q", "k", "v")}
+    arrays = {**case.inputs, **poisoned}
+    fn = dispatched(interpret, kernel_chunk=16, block_tokens=64)
+    cu_seqlens = jnp.asarray(VARLEN_CU_SEQLENS, jnp.int32)
+
+    def loss(q, k, v, g, initial_state):
+        o, final_state = fn(
+            q=q, k=k, v=v, g=g, initial_state=initial_state, output_final_state=True, cu_seqlens=cu_seqlens
+        )
+        return jnp.sum(o[:, 1:]) + jnp.sum(final_state[2:]), (o, final_state)
+
+    names = ("q", "k", "v", "g", "initial_state")
+    grads, (o, final_state) = jax.grad(loss, argnums=tuple(range(5)), has_aux=True)(*(arrays[n] for n in names))
+    assert np.all(np.isnan(np.asarray(o[:, 0])))  # the poisoned sequence itself
+    assert np.all(np.isfinite(np.asarray(o[:, 1:]))) and np.all(np.isfinite(np.asarray(final_state[2:])))
+    for name, grad in zip(names, grads, strict=True):
+        others = grad[2:] if name == "initial_state" else grad[:, 1:]
+        assert np.all(np.isfinite(np.asarray(others))), name

@@ -9,7 +9,6 @@ import pytest
 
 import gla_core
 from gla_core.errors import InvalidArgumentError
-from gla_core.kit import op_spec
 from gla_fused.fused_chunk import impl
 from gla_fused.fused_chunk.steps import largest_divisor_at_most
 
@@ -43,11 +42,10 @@ def test_fused_chunk_is_registered_for_tpu():
     assert fused.interpretable and fused.fn.__wrapped__ is impl.run  # behind with_state_layout
 
 
-def test_supports_declines_varlen_and_float64_with_reasons():
+def test_supports_takes_varlen_and_declines_float64_with_a_reason():
     assert impl.supports(gla_core.Call("simple_gla", batch=2, gates={"g"}, backend="tpu")) is None
     assert impl.supports(gla_core.Call("simple_gla", dtype="bfloat16", backend="tpu")) is None
-    varlen = impl.supports(gla_core.Call("simple_gla", num_sequences=3, gates={"g"}, backend="tpu"))
-    assert "cu_seqlens" in varlen and "impl='chunk'" in varlen
+    assert impl.supports(gla_core.Call("simple_gla", num_sequences=3, gates={"g"}, backend="tpu")) is None
     assert "float64" in impl.supports(gla_core.Call("simple_gla", dtype="float64", backend="tpu"))
 
 
@@ -59,40 +57,12 @@ def test_explain_on_tpu_picks_fused_chunk_for_g():
     assert _candidate(resolution, "chunk").accepted
 
 
-def test_explain_shows_the_varlen_reason_and_falls_back_to_chunk():
+def test_explain_on_tpu_picks_fused_chunk_for_varlen():
     arrays, g = _structs()
     with gla_core.use(backend="tpu"):
         resolution = gla_core.explain("simple_gla", *arrays, g=g, cu_seqlens=jnp.array([0, 37, 100], jnp.int32))
-    assert _candidate(resolution, "fused_chunk").reason == impl.VARLEN_REASON
-    assert impl.VARLEN_REASON in str(resolution)
-    assert resolution.winner.name == "chunk"
-
-
-def test_forcing_fused_chunk_on_varlen_fails_with_the_reason():
-    arrays, g = _structs()
-    with gla_core.use(backend="tpu"), pytest.raises(gla_core.errors.ImplementationDeclinedError, match="cu_seqlens"):
-        gla_core.explain("simple_gla", *arrays, g=g, cu_seqlens=jnp.array([0, 37, 100], jnp.int32), impl="fused_chunk")
-
-
-def test_direct_varlen_call_raises_naming_cu_seqlens():
-    q = jnp.zeros((1, 32, 1, 16), jnp.float32)
-    with pytest.raises(InvalidArgumentError, match="cu_seqlens"):
-        impl.run(
-            op_spec("simple_gla").arguments(
-                q=q,
-                k=q,
-                v=q,
-                g=None,
-                g_gamma=None,
-                scale=0.25,
-                initial_state=None,
-                output_final_state=False,
-                cu_seqlens=jnp.array([0, 10, 32], jnp.int32),
-                chunk_size=16,
-                interpret=True,
-                options=None,
-            )
-        )
+    assert resolution.winner.name == "fused_chunk"
+    assert _candidate(resolution, "chunk").accepted
 
 
 def _pallas_grids(jaxpr) -> list[tuple[int, ...]]:

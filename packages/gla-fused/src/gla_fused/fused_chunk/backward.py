@@ -16,7 +16,9 @@ per head, each term already restricted to the steps u its decay spans, so nothin
 exactly is computed (see `_chunk_gradients` and `gate_gradient`).
 
 Grid, blocks and exponents as in `forward` (all heads of Tb tokens per grid step, the op's
-`[B, T*H, D]` views, compensated cumsums, exponents <= 0 wherever they are used).
+`[B, T*H, D]` views, compensated cumsums, exponents <= 0 wherever they are used). Packed varlen
+rows as in `forward`, walking backwards: G restarts from `dht[seq]` (or zero) at the last chunk of
+every sequence and is written to `dh0[seq]` after its first chunk (`forward.SequenceEdges`).
 """
 
 from __future__ import annotations
@@ -40,7 +42,15 @@ from gla_core.kit import (
     dot,
     interpret_params,
 )
-from gla_fused.fused_chunk.forward import ChunkDecays, ForwardGeometry, block_bytes, sequential_in_time_params
+from gla_fused.fused_chunk.forward import (
+    ChunkDecays,
+    ForwardGeometry,
+    SequenceEdges,
+    block_bytes,
+    sequence_state_spec,
+    sequential_in_time_params,
+    time_grid_spec,
+)
 
 F32 = jnp.float32
 
@@ -109,18 +119,24 @@ def _chunk_gradients(q, k, v, do, state, grad, decays: ChunkDecays, dtype, split
 
 def _backward_kernel(*refs, geo: BackwardGeometry):
     fwd = geo.forward
+    meta, refs = (refs[:4], refs[4:]) if fwd.varlen else (None, refs)  # first, last, sequence, length [NT]
     q_ref, k_ref, v_ref, do_ref, gate_ref, states_ref = refs[:6]  # token-major blocks, [1, H, Tb], [1, NC, H, K, V]
-    dht_ref = refs[6] if geo.has_dht else None  # [1, H, K, V]
+    dht_ref = refs[6] if geo.has_dht else None  # [1, H, K, V] (varlen: [B*N, H, K, V] in HBM)
     outs = refs[6 + geo.has_dht :]
     dq_ref, dk_ref, dv_ref, terms_ref = outs[:4]  # token-major blocks, [1, H, 2, Tb] float32
-    dh0_ref = outs[4] if geo.has_dh0 else None  # [1, H, K, V]
+    dh0_ref = outs[4] if geo.has_dh0 else None  # [1, H, K, V] (varlen: [B*N, H, K, V] in HBM)
     grad_ref, hi_ref, lo_ref = refs[-3:]  # [H, K, V], [H, 1, Tb], [H, 1, Tb] float32
     step = pl.program_id(1)
     c, h_count = fwd.chunk, fwd.num_heads
+    edges = None
+    if fwd.varlen:  # walking backwards, a sequence starts at its last chunk and ends at its first
+        first_ref, last_ref, sequence_ref, length_ref = meta
+        edges = SequenceEdges(fwd.num_sequences, last_ref, first_ref, sequence_ref, length_ref, dht_ref, dh0_ref)
+    block = pl.num_programs(1) - 1 - step  # the time block of this grid step
 
     @pl.when(step == 0)
     def _start():
-        grad_ref[...] = dht_ref[0] if geo.has_dht else jnp.zeros(grad_ref.shape, F32)
+        grad_ref[...] = dht_ref[0] if geo.has_dht and edges is None else jnp.zeros(grad_ref.shape, F32)
 
     hi, lo = chunk_cumsum(gate_ref[0], c)
     hi_ref[...] = hi[:, None, :]
@@ -135,10 +151,15 @@ def _backward_kernel(*refs, geo: BackwardGeometry):
     for chunk in reversed(range(fwd.chunks_per_block)):
         first = chunk * c
         window = pl.ds(first, c)
+        if edges is not None:
+            edges.restart(grad_ref, block * fwd.chunks_per_block + chunk)
+            real = edges.real_steps(block * fwd.chunks_per_block + chunk, c)
         for head in range(0, h_count, group):
             loaded = zip(*(r.load(first, c, head) for r in readers), strict=True)
             results = []
             for h, (q, k, v, do) in zip(range(head, head + group), loaded, strict=True):
+                if edges is not None:
+                    q, k, v, do = edges.masked(real, q, k, v, do)
                 decays = ChunkDecays(hi_ref[h, :, window], lo_ref[h, :, window], causal, log_scale)
                 state = states_ref[0, chunk, h]
                 dq, dk, dv, after, before, previous = _chunk_gradients(
@@ -150,28 +171,32 @@ def _backward_kernel(*refs, geo: BackwardGeometry):
                 results.append((dq, dk, dv))
             for writer, values in zip(writers, zip(*results, strict=True), strict=True):
                 writer.store(first, head, values)
+        if edges is not None:
+            edges.emit(grad_ref, block * fwd.chunks_per_block + chunk)
 
-    if geo.has_dh0:
+    if geo.has_dh0 and edges is None:
 
         @pl.when(step == pl.num_programs(1) - 1)
         def _final():
             dh0_ref[0] = grad_ref[...]
 
 
-def fused_chunk_bwd(q, k, v, do, gate, states, dht, *, geo: BackwardGeometry):
+def fused_chunk_bwd(q, k, v, do, gate, states, dht, meta=None, *, geo: BackwardGeometry):
     """Gradients of q, k, v and the initial state, and the per-token gate terms.
 
     Args:
       q, k: [B, T*H, K]; v, do: [B, T*H, V] (merged views; do in the compute dtype).
       gate: [B, H, T] float32 floored log decays (as the forward's).
       states: [B, NT, H, K, V] float32, the state before every chunk (the forward's `states`).
-      dht: [B, H, K, V] float32 final-state cotangent, or None.
+      dht: [B, H, K, V] float32 final-state cotangent (varlen: [B*N, H, K, V]), or None.
+      meta: the per-chunk metadata (first, last, sequence, length) of packed varlen rows, as in
+        `forward.fused_chunk_fwd`; None for fixed length.
       geo: the static sizes.
 
     Returns:
       (dq [B, T*H, K], dk [B, T*H, K], dv [B, T*H, V] in the compute dtype's float32 accumulation
       cast to q's/v's dtype, terms [B, H, 2, T] float32 (see the module doc), dh0 [B, H, K, V]
-      float32 or None).
+      float32 (varlen: [B*N, H, K, V]; an empty sequence's entry is not written) or None).
     """
     fwd = geo.forward
     b, rows, kdim = q.shape
@@ -189,7 +214,7 @@ def fused_chunk_bwd(q, k, v, do, gate, states, dht, *, geo: BackwardGeometry):
 
     gate_block = pl.BlockSpec((1, h_count, tb), lambda bi, ti: (bi, 0, reverse(bi, ti)[1]))
     states_block = pl.BlockSpec((1, nc, h_count, kdim, vdim), lambda bi, ti: (*reverse(bi, ti), 0, 0, 0))
-    state_block = pl.BlockSpec((1, h_count, kdim, vdim), lambda bi, ti: (bi, 0, 0, 0))
+    state_block = sequence_state_spec(fwd, kdim, vdim)
     terms_block = pl.BlockSpec((1, h_count, 2, tb), lambda bi, ti: (bi, 0, 0, reverse(bi, ti)[1]))
     inputs = [q, k, v, do, gate, states]
     in_specs = [token_block(kdim), token_block(kdim), token_block(vdim), token_block(vdim), gate_block, states_block]
@@ -204,30 +229,28 @@ def fused_chunk_bwd(q, k, v, do, gate, states, dht, *, geo: BackwardGeometry):
     ]
     out_specs = [token_block(kdim), token_block(kdim), token_block(vdim), terms_block]
     if geo.has_dh0:
-        out_shape.append(jax.ShapeDtypeStruct((b, h_count, kdim, vdim), F32))
+        out_shape.append(jax.ShapeDtypeStruct((b * (fwd.num_sequences or 1), h_count, kdim, vdim), F32))
         out_specs.append(state_block)
     tokens = b * rows
     flops = tokens * (4 * c * (kdim + vdim) + 10 * kdim * vdim)
     cost = cost_estimate(flops, tokens * (c + 3), [*inputs, *out_shape])
     # Double-buffered blocks plus the state-gradient scratch.
     vmem = 2 * (block_bytes(in_specs, inputs) + block_bytes(out_specs, out_shape)) + h_count * kdim * vdim * 4
+    scratch = [
+        pltpu.VMEM((h_count, kdim, vdim), F32),
+        pltpu.VMEM((h_count, 1, tb), F32),
+        pltpu.VMEM((h_count, 1, tb), F32),
+    ]
     with jax.named_scope("fused_chunk_bwd"):
         outs = pl.pallas_call(
             lambda *refs: _backward_kernel(*refs, geo=geo),
             out_shape=out_shape,
-            grid=(b, blocks),
-            in_specs=in_specs,
-            out_specs=out_specs,
-            scratch_shapes=[
-                pltpu.VMEM((h_count, kdim, vdim), F32),
-                pltpu.VMEM((h_count, 1, tb), F32),
-                pltpu.VMEM((h_count, 1, tb), F32),
-            ],
+            **time_grid_spec(fwd, (b, blocks), in_specs, out_specs, scratch),
             compiler_params=sequential_in_time_params(vmem),
             interpret=interpret_params(fwd.interpret),
             cost_estimate=cost,
             name="fused_chunk_bwd",
-        )(*inputs)
+        )(*(meta or ()), *inputs)
     dq, dk, dv, terms = outs[:4]
     return dq, dk, dv, terms, (outs[4] if geo.has_dh0 else None)
 

@@ -12,6 +12,16 @@ takes all H heads of Tb tokens straight from the `[B, T*H, D]` views of q, k, v 
 op's `[B, H, K, V]` layout: no transposed or padded copy of anything in HBM. The states of all
 heads stay in VMEM along the time walk.
 
+Packed varlen rows (`geo.num_sequences` N) arrive in the padded per-sequence chunk layout of
+`gla_core.kit.varlen` (every chunk belongs to one sequence; sequences start and end at any chunk
+of a grid step). The per-chunk metadata (`first`, `last`, `sequence`, `length`, int32 [NT]) is
+scalar-prefetched; the per-sequence states `[B*N, H, K, V]` stay in HBM and move by DMA: a chunk
+that starts a sequence restarts the carried states of all heads from its initial states (or
+zero), one that ends it writes them to its final states (`SequenceEdges`). The padding steps of a
+sequence's last chunk hold other tokens of the row (`gla_core.kit.gather_chunks` does not zero
+them, which would take XLA a second pass over every array): the kernels zero them with
+`jnp.where`, so they carry nothing into any state or gradient.
+
 Every exponent is a segment sum from the compensated chunk cumsums (`gla_core.kit.chunk_cumsum`)
 and is <= 0 where it is used; `scale` enters as log(scale) in the exponents of the intra-chunk
 decays and as a factor of the inter-chunk ones. Non-finite inputs: a grid step first computes
@@ -63,6 +73,8 @@ class ForwardGeometry:
       has_states: the state before every chunk is returned (for the backward).
       mxu_dtype: the dtype of the matmul operands (bfloat16 or float32).
       interpret: TPU interpret mode.
+      num_sequences: N, the packed sequences of a varlen row (`SequenceEdges`), or None (fixed
+        length: one sequence per batch row).
     """
 
     num_heads: int
@@ -74,10 +86,100 @@ class ForwardGeometry:
     has_states: bool
     mxu_dtype: jnp.dtype
     interpret: bool
+    num_sequences: int | None = None
 
     @property
     def chunks_per_block(self) -> int:
         return self.block_tokens // self.chunk
+
+    @property
+    def varlen(self) -> bool:
+        return self.num_sequences is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceEdges:
+    """Packed sequences inside a walk over chunks (`ForwardGeometry.varlen`): the scalar-prefetched
+    per-chunk metadata, int32 [NT] (SMEM), `starts_ref` / `ends_ref` in walking order (forwards:
+    first / last chunk of a sequence; backwards: last / first), `sequence_ref` the chunk's sequence,
+    `length_ref` its real steps (the rest are padding), and the per-sequence states
+    `[B*N, H, K, V]` float32 in HBM: `initial_ref` read where a sequence starts (None: zero),
+    `final_ref` written where it ends (None: not wanted)."""
+
+    num_sequences: int
+    starts_ref: jax.Array
+    ends_ref: jax.Array
+    sequence_ref: jax.Array
+    length_ref: jax.Array
+    initial_ref: jax.Array | None
+    final_ref: jax.Array | None
+
+    def real_steps(self, chunk, size: int) -> jax.Array:
+        """`[C, 1]` bool: the steps of `chunk` (C = `size`) that belong to its sequence, not padding.
+
+        (Zeroing the padding rows of the whole block in place once per chunk, under `pl.when`, costs
+        more by libtpu's static estimate, which charges the branch to every chunk: fused_chunk_fwd
+        346 k cycles against 305 k masking each head's rows, B=1 T=8192 4 sequences H=16, v6e.)"""
+        return jax.lax.broadcasted_iota(jnp.int32, (size, 1), 0) < self.length_ref[chunk]
+
+    @staticmethod
+    def masked(real: jax.Array, *rows: jax.Array) -> tuple[jax.Array, ...]:
+        """Token rows `[C, D]` with the padding steps (`real` false) zeroed."""
+        return tuple(jnp.where(real, x, jnp.zeros((), x.dtype)) for x in rows)
+
+    def _entry(self, states_ref, chunk):
+        return states_ref.at[pl.program_id(0) * self.num_sequences + self.sequence_ref[chunk]]
+
+    def restart(self, state_ref, chunk) -> None:
+        """Where `chunk` starts a sequence, the states of all heads `state_ref` [H, K, V] (VMEM)
+        become its initial states (a DMA from HBM) or zero."""
+
+        @pl.when(self.starts_ref[chunk] == 1)
+        def _restart():
+            if self.initial_ref is None:
+                state_ref[...] = jnp.zeros(state_ref.shape, F32)
+            else:
+                pltpu.sync_copy(self._entry(self.initial_ref, chunk), state_ref)
+
+    def emit(self, state_ref, chunk) -> None:
+        """Where `chunk` ends a sequence, writes `state_ref` [H, K, V] (VMEM) to its final states."""
+        if self.final_ref is None:
+            return
+
+        @pl.when(self.ends_ref[chunk] == 1)
+        def _emit():
+            pltpu.sync_copy(state_ref, self._entry(self.final_ref, chunk))
+
+
+def time_grid_spec(geo: ForwardGeometry, grid, in_specs, out_specs, scratch_shapes):
+    """The grid spec of a fused kernel: plain for fixed length; for packed varlen rows the per-chunk
+    metadata (first, last, sequence, length) scalar-prefetched, its refs passed to every index map
+    after the grid indices (the `(bi, ti)` maps ignore them)."""
+    if not geo.varlen:
+        return dict(grid=grid, in_specs=in_specs, out_specs=out_specs, scratch_shapes=scratch_shapes)
+
+    def with_metadata(spec):
+        if spec.index_map is None:  # left in HBM (memory_space ANY)
+            return spec
+        index_map = spec.index_map
+        return pl.BlockSpec(spec.block_shape, lambda bi, ti, *meta: index_map(bi, ti))
+
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=4,
+        grid=grid,
+        in_specs=[with_metadata(spec) for spec in in_specs],
+        out_specs=[with_metadata(spec) for spec in out_specs],
+        scratch_shapes=scratch_shapes,
+    )
+    return dict(grid_spec=grid_spec)
+
+
+def sequence_state_spec(geo: ForwardGeometry, kdim: int, vdim: int) -> pl.BlockSpec:
+    """Initial or final states (or their gradients): the batch row's `[H, K, V]` block of `[B, H, K, V]`,
+    or for packed varlen rows the whole `[B*N, H, K, V]` left in HBM for `SequenceEdges`' DMAs."""
+    if geo.varlen:
+        return pl.BlockSpec(memory_space=pl.ANY)
+    return pl.BlockSpec((1, geo.num_heads, kdim, vdim), lambda bi, ti: (bi, 0, 0, 0))
 
 
 class ChunkDecays:
@@ -130,8 +232,10 @@ def sequential_in_time_params(vmem_bytes: int):
 
 
 def block_bytes(specs, arrays) -> int:
-    """Bytes of one block of every array (BlockSpecs and arrays or shape structs, in order)."""
-    return sum(math.prod(spec.block_shape) * jnp.dtype(x.dtype).itemsize for spec, x in zip(specs, arrays, strict=True))
+    """Bytes of one block of every array (BlockSpecs and arrays or shape structs, in order); arrays
+    left in HBM (no block) take none."""
+    pairs = zip(specs, arrays, strict=True)
+    return sum(math.prod(spec.block_shape) * jnp.dtype(x.dtype).itemsize for spec, x in pairs if spec.block_shape)
 
 
 def _chunk_step(q, k, v, state, decays: ChunkDecays, dtype, masked: bool):
@@ -156,10 +260,11 @@ def _chunk_step(q, k, v, state, decays: ChunkDecays, dtype, masked: bool):
 
 
 def _forward_kernel(*refs, geo: ForwardGeometry):
+    meta, refs = (refs[:4], refs[4:]) if geo.varlen else (None, refs)  # first, last, sequence, length [NT]
     q_ref, k_ref, v_ref, gate_ref = refs[:4]  # [1, Tb*H, K], [1, Tb*H, K], [1, Tb*H, V], [1, H, Tb]
-    h0_ref = refs[4] if geo.has_h0 else None  # [1, H, K, V]
+    h0_ref = refs[4] if geo.has_h0 else None  # [1, H, K, V] (varlen: [B*N, H, K, V] in HBM)
     o_ref = refs[4 + geo.has_h0]  # [1, Tb*H, V]
-    ht_ref = refs[5 + geo.has_h0] if geo.has_ht else None  # [1, H, K, V]
+    ht_ref = refs[5 + geo.has_h0] if geo.has_ht else None  # [1, H, K, V] (varlen: [B*N, H, K, V] in HBM)
     states_out = refs[5 + geo.has_h0 + geo.has_ht] if geo.has_states else None  # [1, NC, H, K, V]
     state_ref, hi_ref, lo_ref = refs[-3:]  # [2, H, K, V] (by step parity), [H, 1, Tb], [H, 1, Tb] float32
     step = pl.program_id(1)
@@ -167,9 +272,11 @@ def _forward_kernel(*refs, geo: ForwardGeometry):
     parity = step % 2
     before, after = state_ref.at[parity], state_ref.at[1 - parity]
 
+    edges = SequenceEdges(geo.num_sequences, *meta, h0_ref, ht_ref) if geo.varlen else None
+
     @pl.when(step == 0)
     def _start():
-        state_ref[0] = h0_ref[0] if geo.has_h0 else jnp.zeros(state_ref.shape[1:], F32)
+        state_ref[0] = h0_ref[0] if geo.has_h0 and edges is None else jnp.zeros(state_ref.shape[1:], F32)
 
     hi, lo = chunk_cumsum(gate_ref[0], c)
     hi_ref[...] = hi[:, None, :]
@@ -188,12 +295,17 @@ def _forward_kernel(*refs, geo: ForwardGeometry):
             first = chunk * c
             window = pl.ds(first, c)
             source = before if chunk == 0 else after
+            if edges is not None:
+                edges.restart(source, step * geo.chunks_per_block + chunk)
+                real = edges.real_steps(step * geo.chunks_per_block + chunk, c)
             for head in range(0, h_count, group):
                 loaded = zip(
                     q_rows.load(first, c, head), k_rows.load(first, c, head), v_rows.load(first, c, head), strict=True
                 )
                 outs = []
                 for h, (q, k, v) in zip(range(head, head + group), loaded, strict=True):
+                    if edges is not None:
+                        k, v = edges.masked(real, k, v)  # a padding q only reaches its own (dropped) row
                     decays = ChunkDecays(hi_ref[h, :, window], lo_ref[h, :, window], causal, log_scale)
                     state = source[h]
                     if geo.has_states and not masked:
@@ -203,6 +315,8 @@ def _forward_kernel(*refs, geo: ForwardGeometry):
                     total = total + jnp.sum(new_state, axis=0, keepdims=True)
                     outs.append(o)
                 o_rows.store(first, head, tuple(outs))
+            if edges is not None:
+                edges.emit(after, step * geo.chunks_per_block + chunk)
         return jnp.sum(total)
 
     # The products are unmasked first; a non-finite k or v (or state) makes the states' sum
@@ -211,25 +325,28 @@ def _forward_kernel(*refs, geo: ForwardGeometry):
     def _masked():
         walk(masked=True)
 
-    if geo.has_ht:
+    if geo.has_ht and edges is None:
 
         @pl.when(step == pl.num_programs(1) - 1)
         def _final():
             ht_ref[0] = after[...]
 
 
-def fused_chunk_fwd(q, k, v, gate, h0, *, geo: ForwardGeometry):
+def fused_chunk_fwd(q, k, v, gate, h0, meta=None, *, geo: ForwardGeometry):
     """Outputs and final states.
 
     Args:
       q, k: [B, T*H, K] (the merged view of [B, T, H, K]); v: [B, T*H, V].
       gate: [B, H, T] float32 per-step log decays (floored, see `gla_core.kit.floor_cumsum_gates`).
-      h0: [B, H, K, V] float32 initial states, or None.
+      h0: [B, H, K, V] float32 initial states (varlen: [B*N, H, K, V]), or None.
+      meta: for packed varlen rows (`geo.varlen`), the int32 [NT] per-chunk metadata (first, last,
+        sequence, length) of their chunk layout; None for fixed length.
       geo: the static sizes of the call (T a multiple of `geo.block_tokens`).
 
     Returns:
-      (o [B, T*H, V] in v's dtype, final states [B, H, K, V] float32 or None, the state before
-      every chunk [B, NT, H, K, V] float32 or None unless `geo.has_states`).
+      (o [B, T*H, V] in v's dtype, final states [B, H, K, V] float32 (varlen: [B*N, H, K, V]; an
+      empty sequence's entry is not written) or None, the state before every chunk
+      [B, NT, H, K, V] float32 or None unless `geo.has_states`).
     """
     b, rows, kdim = q.shape
     vdim = v.shape[-1]
@@ -242,7 +359,7 @@ def fused_chunk_fwd(q, k, v, gate, h0, *, geo: ForwardGeometry):
     key_block = pl.BlockSpec((1, tb * h_count, kdim), lambda bi, ti: (bi, ti, 0))
     value_block = pl.BlockSpec((1, tb * h_count, vdim), lambda bi, ti: (bi, ti, 0))
     gate_block = pl.BlockSpec((1, h_count, tb), lambda bi, ti: (bi, 0, ti))
-    state_block = pl.BlockSpec((1, h_count, kdim, vdim), lambda bi, ti: (bi, 0, 0, 0))
+    state_block = sequence_state_spec(geo, kdim, vdim)
     inputs, in_specs = [q, k, v, gate], [key_block, key_block, value_block, gate_block]
     if geo.has_h0:
         inputs.append(h0)
@@ -250,7 +367,7 @@ def fused_chunk_fwd(q, k, v, gate, h0, *, geo: ForwardGeometry):
     out_shape = [jax.ShapeDtypeStruct((b, rows, vdim), v.dtype)]
     out_specs = [value_block]
     if geo.has_ht:
-        out_shape.append(jax.ShapeDtypeStruct((b, h_count, kdim, vdim), F32))
+        out_shape.append(jax.ShapeDtypeStruct((b * (geo.num_sequences or 1), h_count, kdim, vdim), F32))
         out_specs.append(state_block)
     if geo.has_states:
         nc = geo.chunks_per_block
@@ -263,21 +380,19 @@ def fused_chunk_fwd(q, k, v, gate, h0, *, geo: ForwardGeometry):
     cost = cost_estimate(flops, transcendentals, [*inputs, *out_shape])
     # Double-buffered blocks plus the two-slot state scratch.
     vmem = 2 * (block_bytes(in_specs, inputs) + block_bytes(out_specs, out_shape)) + 2 * h_count * kdim * vdim * 4
+    scratch = [
+        pltpu.VMEM((2, h_count, kdim, vdim), F32),
+        pltpu.VMEM((h_count, 1, tb), F32),
+        pltpu.VMEM((h_count, 1, tb), F32),
+    ]
     with jax.named_scope("fused_chunk_fwd"):
         outs = pl.pallas_call(
             lambda *refs: _forward_kernel(*refs, geo=geo),
             out_shape=out_shape,
-            grid=(b, seq_len // tb),
-            in_specs=in_specs,
-            out_specs=out_specs,
-            scratch_shapes=[
-                pltpu.VMEM((2, h_count, kdim, vdim), F32),
-                pltpu.VMEM((h_count, 1, tb), F32),
-                pltpu.VMEM((h_count, 1, tb), F32),
-            ],
+            **time_grid_spec(geo, (b, seq_len // tb), in_specs, out_specs, scratch),
             compiler_params=sequential_in_time_params(vmem),
             interpret=interpret_params(geo.interpret),
             cost_estimate=cost,
             name="fused_chunk_fwd",
-        )(*inputs)
+        )(*(meta or ()), *inputs)
     return outs[0], (outs[1] if geo.has_ht else None), (outs[-1] if geo.has_states else None)

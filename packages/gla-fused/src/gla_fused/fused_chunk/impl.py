@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gla_core
-from gla_core.errors import InvalidArgumentError
 from gla_core.kit import Option, positive_int, unsupported_dtype_reason
 from gla_fused.fused_chunk.pipeline import IMPLEMENTATION, fused_chunk_attention
 from gla_fused.fused_chunk.steps import DEFAULT_BLOCK_TOKENS, DEFAULT_KERNEL_CHUNK, KERNEL_CHUNKS
@@ -29,18 +28,11 @@ OPTIONS = (
     ),
 )
 
-VARLEN_REASON = (
-    "packed varlen input (cu_seqlens): several sequences can start inside one multi-chunk grid iteration, "
-    "so per-sequence initial/final states cannot be block-indexed; use impl='chunk'"
-)
-
 
 def run(args):
     """simple_gla on the fused kernels, on the call's validated arguments record (options: the
     kernels' chunk and tokens per grid step; the op's `chunk_size` does not apply, see
     `pipeline.fused_chunk_attention`)."""
-    if args.cu_seqlens is not None:
-        raise InvalidArgumentError(f"cu_seqlens: the {NAME} implementation does not take {VARLEN_REASON}")
     return fused_chunk_attention(
         args.q,
         args.k,
@@ -52,20 +44,19 @@ def run(args):
         output_final_state=args.output_final_state,
         kernel_chunk=args.options["kernel_chunk"],
         block_tokens=args.options["block_tokens"],
+        cu_seqlens=args.cu_seqlens,
         interpret=args.interpret,
     )
 
 
 def supports(call: gla_core.Call) -> str | None:
-    """Every fixed-length call in bfloat16, float16 or float32."""
-    if call.varlen:
-        return VARLEN_REASON
+    """Every call (fixed length or packed varlen) in bfloat16, float16 or float32."""
     return unsupported_dtype_reason(call.dtype)
 
 
 def implementations() -> list[gla_core.Implementation]:
     description = (
         "Pallas TPU fused forward and backward on the op's own layout (all heads of a block of tokens "
-        "per grid step, state in VMEM); fixed length"
+        "per grid step, state in VMEM); fixed length and packed varlen"
     )
     return [fused_implementation(NAME, run, PRIORITY, description, supports=supports, options=OPTIONS)]

@@ -9,7 +9,10 @@ Backward: fused_chunk_bwd (one kernel walking time backwards: dq, dk, dv, the in
 Nothing is transposed or copied in HBM except the small gate rows (a free view for XLA's usual
 layout of a [B, T, H] gate) and, when T or H must be padded (T not a multiple of the kernels'
 block, an odd H with 16-bit inputs, an H that does not fill sublane tiles), the padded copies.
-Fixed-length inputs only (see `impl.supports`). The transformation guards are those of the chunk
+Packed varlen rows (B == 1, `cu_seqlens`) are gathered into the padded per-sequence chunk layout
+of `gla_core.kit.varlen` (token-major: every chunk belongs to one sequence), the kernels restart
+and emit the per-sequence states at the chunks its metadata marks, and the gradients come back
+through the inverse gather (every token has exactly one slot). The transformation guards are those of the chunk
 path: first-order autodiff only, `jax.vmap` folded into B, no kernel for calls without tokens.
 """
 
@@ -22,16 +25,22 @@ import jax
 import jax.numpy as jnp
 
 from gla_core.kit import (
+    ChunkLayout,
+    build_chunk_layout,
     define_chunk_vjp,
     empty_attention,
     floor_cumsum_gates,
     fold_vmap,
+    from_chunks,
+    gather_chunks,
     has_no_tokens,
     heads_per_group,
     merge_heads,
+    num_padded_chunks,
     pad_axis,
     round_up,
     split_heads,
+    to_chunks,
 )
 from gla_fused.fused_chunk.backward import BackwardGeometry, fused_chunk_bwd, gate_gradient
 from gla_fused.fused_chunk.forward import ForwardGeometry, fused_chunk_fwd
@@ -54,6 +63,7 @@ class FusedConfig:
       kernel_chunk: C, the kernels' chunk.
       block_tokens: tokens per grid step, a multiple of C.
       dtypes: dtype name of every given array by its op keyword (gradients come back in them).
+      num_sequences: N, the packed sequences of a varlen call (`cu_seqlens`), or None.
     """
 
     batch: int
@@ -67,6 +77,7 @@ class FusedConfig:
     kernel_chunk: int
     block_tokens: int
     dtypes: tuple[tuple[str, str], ...]
+    num_sequences: int | None = None
 
     @classmethod
     def create(
@@ -79,12 +90,15 @@ class FusedConfig:
         interpret: bool,
         kernel_chunk: int = DEFAULT_KERNEL_CHUNK,
         block_tokens: int = DEFAULT_BLOCK_TOKENS,
+        num_sequences: int | None = None,
         **arrays,
     ) -> FusedConfig:
         """The config of a call with q [B, T, H, K], v [B, T, H, V] and the other arrays by keyword
-        (k, g, g_gamma, initial_state; None when absent). `block_tokens` is an upper bound."""
+        (k, g, g_gamma, initial_state; None when absent). `block_tokens` is an upper bound;
+        `num_sequences`: N for a packed varlen call."""
         batch, seq_len, num_heads, key_dim = q.shape
         arrays = dict(q=q, v=v, **arrays)
+        walked = kernel_len(seq_len, kernel_chunk, num_sequences)
         return cls(
             batch=batch,
             seq_len=seq_len,
@@ -95,8 +109,9 @@ class FusedConfig:
             output_final_state=bool(output_final_state),
             interpret=bool(interpret),
             kernel_chunk=kernel_chunk,
-            block_tokens=block_tokens_for(seq_len, kernel_chunk, block_tokens),
+            block_tokens=block_tokens_for(walked, kernel_chunk, block_tokens),
             dtypes=tuple(sorted((name, jnp.dtype(x.dtype).name) for name, x in arrays.items() if x is not None)),
+            num_sequences=num_sequences,
         )
 
     def dtype_of(self, name: str) -> jnp.dtype:
@@ -112,8 +127,17 @@ class FusedConfig:
         return dtype if dtype in COMPUTE_DTYPES else jnp.dtype(jnp.float32)
 
     @property
+    def varlen(self) -> bool:
+        return self.num_sequences is not None
+
+    @property
     def padded_len(self) -> int:
-        return round_up(self.seq_len, self.block_tokens)
+        """Tokens the kernels walk per batch row (`kernel_len` rounded up to the grid step)."""
+        return round_up(kernel_len(self.seq_len, self.kernel_chunk, self.num_sequences), self.block_tokens)
+
+    def layout(self, cu_seqlens) -> ChunkLayout | None:
+        """The padded per-sequence chunk layout of a varlen call (None for fixed length)."""
+        return build_chunk_layout(cu_seqlens, self.seq_len, self.kernel_chunk) if self.varlen else None
 
     @property
     def padded_heads(self) -> int:
@@ -131,16 +155,24 @@ class FusedConfig:
             has_states=has_states,
             mxu_dtype=self.compute_dtype,
             interpret=self.interpret,
+            num_sequences=self.num_sequences,
         )
 
-    def token_major(self, x):
-        """[B, T, H, D] to the kernels' [B, Tp*Hp, D] (a free view unless T or H is padded)."""
-        x = pad_axis(pad_axis(x.astype(self.compute_dtype), 1, self.padded_len), 2, self.padded_heads)
-        return merge_heads(x)
+    def token_major(self, x, layout: ChunkLayout | None):
+        """[B, T, H, D] to the kernels' [B, Tp*Hp, D] (a free view unless T or H is padded; varlen:
+        gathered into `layout`, the padding steps left for the kernels to zero)."""
+        x = x.astype(self.compute_dtype)
+        if layout is not None:
+            x = gather_chunks(x, layout)
+        return merge_heads(pad_axis(pad_axis(x, 1, self.padded_len), 2, self.padded_heads))
 
-    def from_token_major(self, y, dtype):
+    def from_token_major(self, y, dtype, layout: ChunkLayout | None):
         """The kernels' [B, Tp*Hp, D] back to [B, T, H, D] in `dtype`."""
-        return split_heads(y, self.padded_heads)[:, : self.seq_len, : self.num_heads].astype(dtype)
+        return self.from_time_major(split_heads(y, self.padded_heads)[:, :, : self.num_heads], layout).astype(dtype)
+
+    def from_time_major(self, y, layout: ChunkLayout | None):
+        """[B, Tp, ...] (the kernels' time axis) back to [B, T, ...]."""
+        return from_chunks(y, layout) if layout is not None else y[:, : self.seq_len]
 
     def state_in(self, state):
         """[B, H, K, V] to the kernels' float32 [B, Hp, K, V]."""
@@ -153,7 +185,8 @@ class FusedResiduals:
     """What the backward needs: the kernels' inputs and the state before every chunk.
 
     q, k: [B, Tp*Hp, K]; v: [B, Tp*Hp, V] (compute dtype, views of the op's arrays); gate:
-    [B, Hp, Tp] float32; states: [B, NT, Hp, K, V] float32; h0: [B, Hp, K, V] float32 or None.
+    [B, Hp, Tp] float32; states: [B, NT, Hp, K, V] float32; h0: [B, Hp, K, V] float32 or None
+    (varlen: [N, Hp, K, V]); layout: the varlen chunk layout or None.
     """
 
     q: jax.Array
@@ -162,30 +195,63 @@ class FusedResiduals:
     gate: jax.Array
     states: jax.Array
     h0: jax.Array | None
+    layout: ChunkLayout | None
     # Set by `define_chunk_vjp` when d g_gamma is asked for bfloat16 inputs (`BackwardGeometry`).
     float32_gate_grad: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
-def _gate_rows(config: FusedConfig, g, g_gamma):
+def kernel_len(seq_len: int, chunk: int, num_sequences: int | None) -> int:
+    """Tokens of a batch row in the kernels' time layout: T, or for N packed sequences their padded
+    per-sequence chunk layout (`gla_core.kit.num_padded_chunks` chunks of C)."""
+    return seq_len if num_sequences is None else num_padded_chunks(seq_len, num_sequences, chunk) * chunk
+
+
+def _gate_rows(config: FusedConfig, g, g_gamma, layout: ChunkLayout | None):
     """The per-step log decay g + g_gamma as float32 rows [B, Hp, Tp], floored for the kernels'
-    compensated cumsums (a free view of a [B, T, H] gate in XLA's usual layout for it)."""
-    gate = jnp.zeros((config.batch, config.num_heads, config.seq_len), jnp.float32)
+    compensated cumsums (a free view of a [B, T, H] gate in XLA's usual layout for it; varlen:
+    gathered into `layout`, padding steps a zero log decay)."""
+    gate = jnp.zeros((config.batch, config.seq_len, config.num_heads), jnp.float32)
     if g is not None:
-        gate = gate + jnp.swapaxes(g.astype(jnp.float32), 1, 2)
+        gate = gate + g.astype(jnp.float32)
     if g_gamma is not None:
-        gate = gate + g_gamma.astype(jnp.float32)[:, None]
-    return pad_axis(pad_axis(floor_cumsum_gates(gate), 2, config.padded_len), 1, config.padded_heads)
+        gate = gate + g_gamma.astype(jnp.float32)
+    gate = floor_cumsum_gates(gate)
+    if layout is not None:
+        gate = to_chunks(gate, layout)
+    return pad_axis(pad_axis(jnp.swapaxes(gate, 1, 2), 2, config.padded_len), 1, config.padded_heads)
 
 
-def _forward(config: FusedConfig, q, k, v, g, g_gamma, initial_state, *, keep_states: bool = True):
+def _metadata(layout: ChunkLayout | None) -> tuple:
+    """The kernels' per-chunk metadata arrays (first, last, sequence, length) of a varlen layout, else ()."""
+    if layout is None:
+        return ()
+    return layout.chunk_first, layout.chunk_last, layout.chunk_sequence, layout.chunk_length
+
+
+def _where_empty(layout: ChunkLayout | None, states, passed):
+    """Per-sequence states [N, H, K, V] with an empty sequence's entry (which no kernel writes)
+    replaced by `passed` (its own initial state or final-state gradient; None: zero)."""
+    if layout is None:
+        return states
+    passed = jnp.zeros_like(states) if passed is None else passed.astype(states.dtype)
+    return jnp.where(layout.empty_sequence[:, None, None, None], passed, states)
+
+
+def _forward(config: FusedConfig, q, k, v, g, g_gamma, initial_state, cu_seqlens, *, keep_states: bool = True):
+    layout = config.layout(cu_seqlens)
     h0 = None if initial_state is None else config.state_in(initial_state)
-    residuals = FusedResiduals(*(config.token_major(x) for x in (q, k, v)), _gate_rows(config, g, g_gamma), None, h0)
+    views = (config.token_major(x, layout) for x in (q, k, v))
+    residuals = FusedResiduals(*views, _gate_rows(config, g, g_gamma, layout), None, h0, layout)
     geo = config.forward_geometry(has_h0=h0 is not None, has_states=keep_states)
-    launch = functools.partial(fused_chunk_fwd, geo=geo)
-    arrays = (residuals.q, residuals.k, residuals.v, residuals.gate, h0)
-    o, ht, states = fold_vmap(launch, arrays, in_axes=(0,) * 5, out_axes=0)
-    o = config.from_token_major(o, v.dtype)
-    ht = ht[:, : config.num_heads] if ht is not None else None
+    meta = _metadata(layout)
+
+    def launch(q, k, v, gate, h0, *meta):
+        return fused_chunk_fwd(q, k, v, gate, h0, meta or None, geo=geo)
+
+    arrays = (residuals.q, residuals.k, residuals.v, residuals.gate, h0, *meta)
+    o, ht, states = fold_vmap(launch, arrays, in_axes=(0,) * 5 + (None,) * len(meta), out_axes=0)
+    o = config.from_token_major(o, v.dtype, layout)
+    ht = _where_empty(layout, ht[:, : config.num_heads], initial_state) if ht is not None else None
     return (o, ht), dataclasses.replace(residuals, states=states)
 
 
@@ -197,27 +263,35 @@ def _backward(config: FusedConfig, x: FusedResiduals, cotangents):
         has_dh0=x.h0 is not None,
         split_state_products=x.float32_gate_grad,
     )
-    dht = config.state_in(dht) if dht is not None else None
-    launch = functools.partial(fused_chunk_bwd, geo=geo)
-    arrays = (x.q, x.k, x.v, config.token_major(do), x.gate, x.states, dht)
-    dq, dk, dv, terms, dh0 = fold_vmap(launch, arrays, in_axes=(0,) * 7, out_axes=0)
-    da = gate_gradient(terms, x.gate, config.kernel_chunk)[:, : config.num_heads, : config.seq_len]
-    dg = jnp.swapaxes(da, 1, 2).astype(config.dtype_of("g")) if config.has("g") else None
-    dg_gamma = jnp.sum(da, axis=(0, 2)).astype(config.dtype_of("g_gamma")) if config.has("g_gamma") else None
-    d_initial = dh0[:, : config.num_heads].astype(config.dtype_of("initial_state")) if dh0 is not None else None
+    meta = _metadata(x.layout)
+
+    def launch(q, k, v, do, gate, states, dht, *meta):
+        return fused_chunk_bwd(q, k, v, do, gate, states, dht, meta or None, geo=geo)
+
+    dhtk = config.state_in(dht) if dht is not None else None
+    arrays = (x.q, x.k, x.v, config.token_major(do, x.layout), x.gate, x.states, dhtk, *meta)
+    dq, dk, dv, terms, dh0 = fold_vmap(launch, arrays, in_axes=(0,) * 7 + (None,) * len(meta), out_axes=0)
+    da = gate_gradient(terms, x.gate, config.kernel_chunk)[:, : config.num_heads]
+    da = config.from_time_major(jnp.swapaxes(da, 1, 2), x.layout)  # [B, T, H]
+    dg = da.astype(config.dtype_of("g")) if config.has("g") else None
+    dg_gamma = jnp.sum(da, axis=(0, 1)).astype(config.dtype_of("g_gamma")) if config.has("g_gamma") else None
+    d_initial = None
+    if dh0 is not None:
+        d_initial = _where_empty(x.layout, dh0[:, : config.num_heads], dht).astype(config.dtype_of("initial_state"))
     return (
-        config.from_token_major(dq, config.dtype_of("q")),
-        config.from_token_major(dk, config.dtype_of("k")),
-        config.from_token_major(dv, config.dtype_of("v")),
+        config.from_token_major(dq, config.dtype_of("q"), x.layout),
+        config.from_token_major(dk, config.dtype_of("k"), x.layout),
+        config.from_token_major(dv, config.dtype_of("v"), x.layout),
         dg,
         dg_gamma,
         d_initial,
+        None,  # cu_seqlens
     )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fused_attention(config, q, k, v, g, g_gamma, initial_state):
-    return _forward(config, q, k, v, g, g_gamma, initial_state, keep_states=False)[0]
+def _fused_attention(config, q, k, v, g, g_gamma, initial_state, cu_seqlens):
+    return _forward(config, q, k, v, g, g_gamma, initial_state, cu_seqlens, keep_states=False)[0]
 
 
 define_chunk_vjp(_fused_attention, _forward, _backward, implementation=IMPLEMENTATION, op=OP, g_gamma_argnum=5)
@@ -235,9 +309,10 @@ def fused_chunk_attention(
     output_final_state: bool = False,
     kernel_chunk: int = DEFAULT_KERNEL_CHUNK,
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    cu_seqlens=None,
     interpret: bool = False,
 ):
-    """simple_gla on the fused Pallas TPU kernels (fixed-length inputs).
+    """simple_gla on the fused Pallas TPU kernels (fixed length or packed varlen).
 
     `S_t = e^{a_t} S_{t-1} + k_t v_t^T`, `o_t = scale * q_t^T S_t`, with the per-step log
     decay `a_t = g_t + g_gamma` (either or both may be absent). Arguments are already
@@ -248,12 +323,13 @@ def fused_chunk_attention(
         computed in float32).
       g: [B, T, H] or None; g_gamma: [H] or None.
       scale: multiplies q; None means K ** -0.5.
-      initial_state: [B, H, K, V] or None.
-      output_final_state: also return the final states [B, H, K, V] float32.
+      initial_state: [N, H, K, V] or None (N = B, or the number of sequences with cu_seqlens).
+      output_final_state: also return the final states [N, H, K, V] float32.
       kernel_chunk: the kernels' chunk (16, 32, 64, 128 or 256). The op's `chunk_size` does not
         apply: every chunk size computes the same function up to rounding, and this one is a
         tuning knob of these kernels (see `steps`).
       block_tokens: tokens per grid step, at most.
+      cu_seqlens: int32 [N+1] packed sequence boundaries (B == 1), may be traced.
       interpret: run the kernels in TPU interpret mode.
 
     Returns:
@@ -263,9 +339,11 @@ def fused_chunk_attention(
     Example:
       >>> o, ht = fused_chunk_attention(q, k, v, g=g, output_final_state=True, interpret=True)
     """
+    num_sequences = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
     if has_no_tokens(q):
+        num_states = q.shape[0] if num_sequences is None else num_sequences
         return empty_attention(
-            q, v, initial_state=initial_state, num_states=q.shape[0], output_final_state=output_final_state
+            q, v, initial_state=initial_state, num_states=num_states, output_final_state=output_final_state
         )
     config = FusedConfig.create(
         q,
@@ -275,10 +353,11 @@ def fused_chunk_attention(
         interpret=interpret,
         kernel_chunk=kernel_chunk,
         block_tokens=block_tokens,
+        num_sequences=num_sequences,
         k=k,
         g=g,
         g_gamma=g_gamma,
         initial_state=initial_state,
     )
-    o, final_state = _fused_attention(config, q, k, v, g, g_gamma, initial_state)
+    o, final_state = _fused_attention(config, q, k, v, g, g_gamma, initial_state, cu_seqlens)
     return o, (final_state if output_final_state else None)

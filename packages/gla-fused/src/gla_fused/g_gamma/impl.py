@@ -61,7 +61,7 @@ def supports(call: gla_core.Call) -> str | None:
     if call.varlen:
         return (
             f"packed varlen input (cu_seqlens, {call.num_sequences} sequences): {NAME} handles "
-            "fixed-length batches only; use impl='chunk'"
+            "fixed-length batches only; use impl='fused_chunk' or impl='chunk'"
         )
     return None
 
