@@ -68,6 +68,15 @@ class ChunkLayout:
         """[N] bool: the sequence has no token (its final state is its initial state)."""
         return self.sequence_length == 0
 
+    def pass_through_empty(self, states: jax.Array, passed: jax.Array | None) -> jax.Array:
+        """Per-sequence float32 states `[N, ...]` written by kernels, with the entry of an empty
+        sequence (which no kernel writes) replaced by `passed` [N, ...]: what enters it leaves it (its
+        initial state as its final state, its final-state gradient as its initial-state gradient;
+        None: zero)."""
+        passed = jnp.zeros_like(states) if passed is None else passed.astype(states.dtype)
+        empty = self.empty_sequence.reshape((-1,) + (1,) * (states.ndim - 1))
+        return jnp.where(empty, passed, states)
+
 
 def num_padded_chunks(total_len: int, num_sequences: int, chunk_size: int) -> int:
     """Upper bound on sum(ceil(len_n / C)) over any partition of T tokens into N sequences."""

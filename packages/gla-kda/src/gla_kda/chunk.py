@@ -93,9 +93,7 @@ def kda_chunk(args):
         return guard.apply(o)
     ht = kl.unpad_state(ht, layout)
     if layout.varlen is not None:
-        # A sequence without tokens keeps its initial state (zeros without one).
-        kept = jnp.zeros_like(ht) if initial_state is None else initial_state.astype(jnp.float32)
-        ht = jnp.where(layout.varlen.empty_sequence[:, None, None, None], kept, ht)
+        ht = layout.varlen.pass_through_empty(ht, initial_state)
     return guard.apply(o, ht)
 
 

@@ -269,8 +269,7 @@ def _forward(config: ChunkConfig, q, k, v, g, g_gamma, gk, initial_state, cu_seq
     if ht is not None:
         ht = prepare.state_out(ht, geo)
         if x.layout is not None:
-            kept = initial_state.astype(jnp.float32) if initial_state is not None else jnp.zeros_like(ht)
-            ht = jnp.where(x.layout.empty_sequence[:, None, None, None], kept, ht)
+            ht = x.layout.pass_through_empty(ht, initial_state)
     return (o, ht), x
 
 
@@ -368,8 +367,7 @@ def op_gradients(config: ChunkConfig, layout, dq, dk, dv, da, dh0, dht):
     if dh0 is not None:
         d_initial = prepare.state_out(dh0, geo)
         if layout is not None:
-            passed = dht.astype(jnp.float32) if dht is not None else jnp.zeros_like(d_initial)
-            d_initial = jnp.where(layout.empty_sequence[:, None, None, None], passed, d_initial)
+            d_initial = layout.pass_through_empty(d_initial, dht)
         d_initial = d_initial.astype(config.dtype_of("initial_state"))
     return dq, dk, dv, dg, dg_gamma, dgk, d_initial
 

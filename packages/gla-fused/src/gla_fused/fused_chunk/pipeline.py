@@ -228,15 +228,6 @@ def _metadata(layout: ChunkLayout | None) -> tuple:
     return layout.chunk_first, layout.chunk_last, layout.chunk_sequence, layout.chunk_length
 
 
-def _where_empty(layout: ChunkLayout | None, states, passed):
-    """Per-sequence states [N, H, K, V] with an empty sequence's entry (which no kernel writes)
-    replaced by `passed` (its own initial state or final-state gradient; None: zero)."""
-    if layout is None:
-        return states
-    passed = jnp.zeros_like(states) if passed is None else passed.astype(states.dtype)
-    return jnp.where(layout.empty_sequence[:, None, None, None], passed, states)
-
-
 def _forward(config: FusedConfig, q, k, v, g, g_gamma, initial_state, cu_seqlens, *, keep_states: bool = True):
     layout = config.layout(cu_seqlens)
     h0 = None if initial_state is None else config.state_in(initial_state)
@@ -251,7 +242,9 @@ def _forward(config: FusedConfig, q, k, v, g, g_gamma, initial_state, cu_seqlens
     arrays = (residuals.q, residuals.k, residuals.v, residuals.gate, h0, *meta)
     o, ht, states = fold_vmap(launch, arrays, in_axes=(0,) * 5 + (None,) * len(meta), out_axes=0)
     o = config.from_token_major(o, v.dtype, layout)
-    ht = _where_empty(layout, ht[:, : config.num_heads], initial_state) if ht is not None else None
+    if ht is not None:
+        ht = ht[:, : config.num_heads]
+        ht = layout.pass_through_empty(ht, initial_state) if layout is not None else ht
     return (o, ht), dataclasses.replace(residuals, states=states)
 
 
@@ -277,7 +270,10 @@ def _backward(config: FusedConfig, x: FusedResiduals, cotangents):
     dg_gamma = jnp.sum(da, axis=(0, 1)).astype(config.dtype_of("g_gamma")) if config.has("g_gamma") else None
     d_initial = None
     if dh0 is not None:
-        d_initial = _where_empty(x.layout, dh0[:, : config.num_heads], dht).astype(config.dtype_of("initial_state"))
+        d_initial = dh0[:, : config.num_heads]
+        if x.layout is not None:
+            d_initial = x.layout.pass_through_empty(d_initial, dht)
+        d_initial = d_initial.astype(config.dtype_of("initial_state"))
     return (
         config.from_token_major(dq, config.dtype_of("q"), x.layout),
         config.from_token_major(dk, config.dtype_of("k"), x.layout),
