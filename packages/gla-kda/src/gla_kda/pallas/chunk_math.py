@@ -91,11 +91,6 @@ def iota(shape, axis: int):
     return jax.lax.broadcasted_iota(jnp.int32, shape, axis)
 
 
-def eye_mask(n: int):
-    """[n, n] bool identity."""
-    return iota((n, n), 0) == iota((n, n), 1)
-
-
 def lower_mask(n: int, strict: bool):
     """[n, n] bool: j < i (strict) or j <= i."""
     row, col = iota((n, n), 0), iota((n, n), 1)
@@ -458,30 +453,99 @@ def _block_of(index, size: int):
     return jax.lax.div(index, jnp.int32(size))
 
 
+def _split_exact(x):
+    """float32 x as three bfloat16 parts with x == hi + mid + lo (for normal numbers): each part
+    holds the next 8 bits of the significand, and every residual is exact in float32."""
+    bf16 = jnp.bfloat16
+    hi = x.astype(bf16)
+    rest = x - hi.astype(F32)
+    mid = rest.astype(bf16)
+    return hi, mid, (rest - mid.astype(F32)).astype(bf16)
+
+
+def select_exact(x, selection):
+    """x [M, N] float32 @ selection [N, P] (bool) with at most one True per output term (every
+    output element copies one element of x, or is 0): exact, in three bfloat16 passes."""
+    ones = jnp.where(selection, 1.0, 0.0).astype(jnp.bfloat16)
+    hi, mid, lo = (dot(part, ones, jnp.bfloat16) for part in _split_exact(x))
+    return (hi + mid) + lo
+
+
+class PackedBlocks:
+    """The s x s diagonal blocks of [C, C] matrices packed side by side into [s, C]: block b's
+    row i, column j sits at row i, lane b * s + j. Row-wise work on the blocks then touches C / s
+    times fewer vector registers than on the [C, C] matrix."""
+
+    def __init__(self, sb: SubBlocks):
+        self.sb = sb
+        lane = iota((sb.sub, sb.chunk), 1)
+        self.block = _block_of(lane, sb.sub)  # [s, C]: the block of each lane
+        self.column = lane - self.block * sb.sub  # [s, C]: the column inside its block
+
+    def pack(self, a):
+        """[C, C] -> [s, C]: the diagonal blocks of a (static aligned row slices and selects)."""
+        sb = self.sb
+        packed = jnp.zeros((sb.sub, sb.chunk), F32)
+        for b in range(sb.count):
+            packed = jnp.where(self.block == b, sb.rows(a, b), packed)
+        return packed
+
+    def unpack(self, packed):
+        """[s, C] -> [C, C] block diagonal, zero off the diagonal blocks."""
+        return self.sb.stack([jnp.where(self.block == b, packed, 0.0) for b in range(self.sb.count)], self.sb.chunk)
+
+    def column_broadcasts(self, packed_mats):
+        """For each packed matrix P and column p < s - 1: [s, C] whose lanes of block b all hold
+        column p of block b (B_p[i, b*s + q] = P[i, b*s + p]), as one [(s-1) s, C] array per
+        matrix (rows p*s..(p+1)*s for column p). One exact selection product for all matrices."""
+        sb = self.sb
+        s, c = sb.sub, sb.chunk
+        same_block = _block_of(iota((c, c), 0), s) == _block_of(iota((c, c), 1), s)
+        columns = [jnp.where(self.column == p, m, 0.0) for m in packed_mats for p in range(s - 1)]
+        spread = select_exact(jnp.concatenate(columns, axis=0), same_block)
+        rows = (s - 1) * s
+        return [spread[i * rows : (i + 1) * rows] for i in range(len(packed_mats))]
+
+
+def _pick_rows(x, position, rows: int):
+    """Rows position*rows..(position+1)*rows of x: a static slice, or a masked sum when
+    `position` is traced (rolled loops)."""
+    if isinstance(position, int):
+        return x[position * rows : (position + 1) * rows]
+    parts = x.reshape(x.shape[0] // rows, rows, x.shape[-1])
+    return jnp.sum(jnp.where(iota(parts.shape, 0) == position, parts, 0.0), axis=0)
+
+
 def unit_lower_inverses(mats, sb: SubBlocks, unroll: bool, dtype=F32):
     """(I + A)^-1 for each strictly lower-triangular A [C, C] float32, by recursive blocking.
 
-    The s x s diagonal blocks are eliminated row by row on the vector unit (all blocks at once),
-    giving D = (I + A)^-1 on the block diagonal. Then blocks of w = s, 2s, 4s, ... rows are
-    joined in pairs: with A_w the part of A in the lower-left w x w quadrant of every 2w block,
+    The s x s diagonal blocks, packed side by side (`PackedBlocks`), are eliminated row by row
+    on the vector unit, giving D = (I + A)^-1 on the block diagonal: once row p of every block
+    is final, A_ip times it leaves the rows i below it. The columns A_ip come from A alone, so
+    they are spread over their blocks' lanes before the loop, off its dependency chain.
+    Then blocks of w = s, 2s, 4s, ... rows are joined in pairs: with A_w the part of A in the
+    lower-left w x w quadrant of every 2w block,
       D <- D - D (A_w D)
     is the inverse on the 2w blocks ([[D1, 0], [-D2 A21 D1, D2]]), two float32 products per
     level (`f32_dot` of inputs of `dtype`), ceil(log2(C / s)) levels. Each stage runs over
     every matrix before the next one starts, so the matrices' dependency chains interleave.
     """
-    c = sb.chunk
+    c, s = sb.chunk, sb.sub
     mm = f32_dot(dtype)
+    blocks = PackedBlocks(sb)
+    spread = blocks.column_broadcasts([blocks.pack(a) for a in mats])
+    row_of = iota((s, c), 0)
+
+    def eliminate(p, inv_blocks):
+        return [
+            inv - _pick_rows(cols, p, s) * jnp.broadcast_to(_pick_rows(inv, p, 1), inv.shape)
+            for inv, cols in zip(inv_blocks, spread, strict=True)
+        ]
+
+    identity = (row_of == blocks.column).astype(F32)
+    inverses = [blocks.unpack(d) for d in _loop(s - 1, eliminate, [identity for _ in mats], unroll)]
     row, col = iota((c, c), 0), iota((c, c), 1)
-    a_diag = [jnp.where(sb.same_block(), a, 0.0) for a in mats]
-    start = sb.start(c)
-
-    # Right-looking elimination: once row p of every block is final, remove it from the rows below.
-    def eliminate(p, inv_diag):
-        a_col = [jnp.sum(jnp.where(col == start + p, d, 0.0), axis=1, keepdims=True) for d in a_diag]
-        return [inv - ac * sb.broadcast_row(inv, p) for inv, ac in zip(inv_diag, a_col, strict=True)]
-
-    inverses = _loop(sb.sub - 1, eliminate, [eye_mask(c).astype(F32) for _ in mats], unroll)
-    width = sb.sub
+    width = s
     while width < c:
         same_pair = _block_of(row, 2 * width) == _block_of(col, 2 * width)
         quadrant = same_pair & (_block_of(row, width) != _block_of(col, width))

@@ -36,7 +36,8 @@ from gla_kda.pallas.config import KernelConfig, compiler_params, token_block
 def intra_kernel(q_ref, k_ref, g_ref, beta_ref, table_ref, tinv_ref, aqk_ref, *, config: KernelConfig):
     """Blocks of n chunks: q, k [n*C, K] input dtype; g [n*C, K] raw per-step log decays (cleaned
     here, `chunk_math.clean_log_decay`); beta [n, 1, C]; table: gla-core's `KeyMaskTable`; outputs
-    tinv, aqk [n*C, C] float32.
+    tinv [n*C, C] float32, aqk [n*C, C] in `config.store_dtype` (its readers multiply it in the
+    matrix-unit dtype).
 
     The chunks are independent; their (I + Akk)^-1 are solved together (`unit_lower_inverses`)
     so that their serial chains interleave.
@@ -52,7 +53,7 @@ def intra_kernel(q_ref, k_ref, g_ref, beta_ref, table_ref, tinv_ref, aqk_ref, *,
 
     def write(products):
         kk = products.scores(k, k)  # [n, C, C]
-        aqk_ref[...] = products.scores(q, k).reshape(n * c, c)
+        aqk_ref[...] = products.scores(q, k).reshape(n * c, c).astype(aqk_ref.dtype)
         akks = [jnp.where(strict, row_to_column(beta_ref[i]) * kk[i], 0.0) for i in range(n)]
         for i, tinv in enumerate(cm.unit_lower_inverses(akks, sb, config.unroll, dtype)):
             tinv_ref[pl.ds(i * c, c), :] = tinv
@@ -76,7 +77,7 @@ def intra_cost(batch, heads, num_chunks, c, k, s, itemsize):
     gate_flops, gate_transcendentals = intra_costs("key", c, k, products=2, anchored=True)
     flops = steps * (gate_flops + cm.unit_lower_inverse_flops(c, s))
     transcendentals = steps * gate_transcendentals
-    bytes_accessed = steps * (2 * c * k * itemsize + c * k * 4 + c * 4 + 2 * c * c * 4)
+    bytes_accessed = steps * (2 * c * k * itemsize + c * k * 4 + c * 4 + c * c * (4 + itemsize))
     return pl.CostEstimate(flops=flops, transcendentals=transcendentals, bytes_accessed=bytes_accessed)
 
 
@@ -88,7 +89,7 @@ def launch_intra(q, k, g, beta, config: KernelConfig):
       g: [B, Tp, HV*K] float32 raw per-step log decays.
       beta: [B, HV, NT, 1, C] float32.
     Returns:
-      tinv, aqk: [B, HV, Tp, C] float32.
+      tinv: [B, HV, Tp, C] float32; aqk: [B, HV, Tp, C] in `config.store_dtype`.
       Under `jax.vmap` the mapped axis folds into B (`gla_core.pallas_transforms.fold_vmap`).
     """
     launch = functools.partial(_launch_intra, config=config)
@@ -105,7 +106,8 @@ def _launch_intra(q, k, g, beta, *, config: KernelConfig):
     qk_spec = token_block(rows, key_dim, config.group)
     table, table_spec = mask_table_inputs("key", c)
     out_spec = pl.BlockSpec((None, None, rows, c), head_index)
-    out_shape = jax.ShapeDtypeStruct((batch, heads, padded_len, c), jnp.float32)
+    tinv_shape = jax.ShapeDtypeStruct((batch, heads, padded_len, c), jnp.float32)
+    aqk_shape = jax.ShapeDtypeStruct((batch, heads, padded_len, c), config.store_dtype)
     with jax.named_scope("kda_intra"):
         return pl.pallas_call(
             functools.partial(intra_kernel, config=config),
@@ -118,7 +120,7 @@ def _launch_intra(q, k, g, beta, *, config: KernelConfig):
                 *table_spec,
             ],
             out_specs=[out_spec, out_spec],
-            out_shape=[out_shape, out_shape],
+            out_shape=[tinv_shape, aqk_shape],
             compiler_params=compiler_params(sequential_time=False),
             cost_estimate=intra_cost(
                 batch, heads, num_chunks, c, key_dim, config.blocks.sub_chunk, config.mxu_dtype.itemsize

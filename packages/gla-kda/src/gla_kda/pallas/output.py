@@ -40,9 +40,7 @@ def output_cost(batch, heads, num_chunks, c, k, v, dtype, out_dtype):
     itemsize, out_itemsize = jnp.dtype(dtype).itemsize, jnp.dtype(out_dtype).itemsize
     steps = batch * heads * num_chunks
     flops = steps * (2 * c * k * v + 2 * c * c * v)
-    bytes_accessed = steps * (
-        c * k * itemsize + c * k * 4 + (k * v + c * v) * itemsize + c * c * 4 + c * v * out_itemsize
-    )
+    bytes_accessed = steps * (c * k * itemsize + c * k * 4 + (k * v + c * v + c * c) * itemsize + c * v * out_itemsize)
     return pl.CostEstimate(flops=flops, transcendentals=steps * c * k, bytes_accessed=bytes_accessed)
 
 
@@ -53,7 +51,7 @@ def launch_output(q, g, h, delta, aqk, config: KernelConfig, out_dtype):
       q: [B, Tp, H*K] (token-major, K a multiple of 128); g: [B, Tp, HV*K] float32 raw per-step
       log decays;
       h: [B, NT*K, HV*V] (rows n*K.. the state before chunk n, lanes j*V.. value head j) and
-      delta: [B, Tp, HV*V] (token-major), both from `state.launch_state`; aqk: [B, HV, Tp, C] float32.
+      delta: [B, Tp, HV*V] (token-major), both from `state.launch_state`; aqk: [B, HV, Tp, C] (`launch_intra`).
       Under `jax.vmap` the mapped axis folds into B (`gla_core.pallas_transforms.fold_vmap`).
     """
     launch = functools.partial(_launch_output, config=config, out_dtype=out_dtype)

@@ -129,7 +129,12 @@ def state_bwd_cost(batch, heads, num_chunks, c, k, v, itemsize):
     steps = batch * heads * num_chunks
     flops = steps * (2 * c * c * v + 2 * c * k * v * 3 + 2 * c * c * k)
     bytes_accessed = steps * (
-        2 * c * k * itemsize + 2 * c * k * 4 + c * 4 + 2 * c * c * 4 + c * v * itemsize + (k * v + c * v) * itemsize
+        2 * c * k * itemsize
+        + 2 * c * k * 4
+        + c * 4
+        + c * c * (4 + itemsize)
+        + c * v * itemsize
+        + (k * v + c * v) * itemsize
     )
     return pl.CostEstimate(flops=flops, transcendentals=steps * (2 * c * k + k), bytes_accessed=bytes_accessed)
 
@@ -156,7 +161,7 @@ def launch_state_bwd(
       q, k: [B, Tp, H*K] (input dtype, token-major, non-finite entries zeroed); do: [B, Tp, HV*V]
       (token-major); g, g_lo: [B, HV, Tp, K] float32 sub-block-local decay cumsum
       (`layout.local_cumsum`); beta: [B, HV, NT, 1, C] float32;
-      tinv, aqk: [B, HV, Tp, C] float32; dht: [N, HV, K, V] float32 or None;
+      tinv, aqk: [B, HV, Tp, C] (`launch_intra`); dht: [N, HV, K, V] float32 or None;
       meta: `ChunkMeta`. states_per_row: N / B. varlen: sequences may end at any chunk
       (`PipelineConfig.varlen`): one chunk per grid step.
     Returns:
