@@ -8,7 +8,9 @@ relative (`BORROWED_FROM`); `explain` says which table a value came from. v7x bo
 rows until it is swept itself; v5e borrows them too: libtpu (0.10.2's) aborts while writing the
 static profile of these kernels for v5e (an LLO type check on a bfloat16 unpack), so v5e cannot
 be swept by static estimate here (its compiles, without the profile, are checked by the
-tpu_compile tests with the borrowed values).
+tpu_compile tests with the borrowed values). The one v5e row of its own, kda's `chunk`, is set
+by hand to fit v5e's 16 MiB default scoped VMEM: v6e's 8 chunks of 128 per grid step reserve
+~18 MiB in kda_state, so v5e takes 4 (the other values are v6e's).
 """
 
 from __future__ import annotations

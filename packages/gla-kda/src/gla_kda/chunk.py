@@ -7,6 +7,10 @@ k, v, g and floor g as they read them) and the varlen re-layout (q, k, v, g and 
 read and written as token-major reshapes, `gla_kda.pallas.layout.to_tokens`).
 Each of these carries its own gradient; the kernels and their backward live in
 `gla_kda.pallas` (`chunk_pipeline`, a `jax.custom_vjp`).
+
+Per-call options (`impl_options={"chunk": {...}}`, per-chip defaults in `gla_core.tuning`):
+`kernel_chunk`, the kernels' chunk in place of the call's `chunk_size` (every chunk size computes
+the same function up to rounding), and the per-grid-step counts of `gla_kda.pallas.config.BlockSizes`.
 """
 
 from __future__ import annotations
@@ -14,17 +18,51 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from gla_core import Call
-from gla_core.kit import unsupported_dtype_reason
+from gla_core.kit import KERNEL_CHUNK_OPTION, Option, kernel_chunk_of, positive_int, unsupported_dtype_reason
 from gla_kda.empty import empty_result, has_no_tokens
 from gla_kda.gate import kda_gate
 from gla_kda.inputs import beta_of, floor_log_decay
 from gla_kda.l2norm import l2norm
 from gla_kda.nonfinite import NonFiniteGuard
 from gla_kda.pallas import layout as kl
-from gla_kda.pallas.config import BlockSizes, KernelConfig
+from gla_kda.pallas.config import (
+    DEFAULT_CHUNKS_PER_STEP,
+    DEFAULT_GRAD_CHUNKS_PER_STEP,
+    DEFAULT_STATE_GRAD_HEADS_PER_STEP,
+    DEFAULT_STATE_HEADS_PER_STEP,
+    BlockSizes,
+    KernelConfig,
+)
 from gla_kda.pallas.pipeline import PipelineConfig, chunk_pipeline
 
 PRIORITY = 100
+
+
+def _count_option(name: str, default: int, doc: str) -> Option:
+    return Option(name, default, positive_int(name), doc, candidates=(1, 2, 4, 8))
+
+
+# One option per count of `BlockSizes` (the sub-block stays `BlockSizes.for_chunk`'s).
+BLOCK_COUNT_OPTIONS = (
+    _count_option(
+        "chunks_per_step",
+        DEFAULT_CHUNKS_PER_STEP,
+        "most chunks per grid step: intra, output, and state / state_bwd (fixed length)",
+    ),
+    _count_option("grad_chunks_per_step", DEFAULT_GRAD_CHUNKS_PER_STEP, "most chunks per grid step: intra_bwd"),
+    _count_option("state_heads_per_step", DEFAULT_STATE_HEADS_PER_STEP, "most value heads per grid step: state"),
+    _count_option(
+        "state_grad_heads_per_step", DEFAULT_STATE_GRAD_HEADS_PER_STEP, "most value heads per grid step: state_bwd"
+    ),
+)
+OPTIONS = (KERNEL_CHUNK_OPTION, *BLOCK_COUNT_OPTIONS)
+
+
+def block_sizes_of(options, chunk_size: int) -> BlockSizes:
+    """The kernels' tiles for a call's options and `chunk_size`: the `kernel_chunk` option's chunk
+    (else `chunk_size`), its default sub-block, and the options' per-step counts."""
+    counts = {option.name: options[option.name] for option in BLOCK_COUNT_OPTIONS}
+    return BlockSizes.for_chunk(kernel_chunk_of(options, chunk_size), **counts)
 
 
 def _kernel_dtype(dtype) -> jnp.dtype:
@@ -37,13 +75,14 @@ def kda_chunk(args):
     q, k [B, T, H, K]; v [B, T, HV, V] (HV a multiple of H); g [B, T, HV, K] log decay, or the raw
     gate input when `use_gate_in_kernel` (with A_log [HV], dt_bias [HV*K], lower_bound); beta
     [B, T, HV] (logits when `use_beta_sigmoid_in_kernel`); initial_state [N, HV, K, V]; cu_seqlens
-    int32 [N+1] (B == 1) or None.
+    int32 [N+1] (B == 1) or None; options (`OPTIONS`) the kernels' chunk and per-step counts.
 
     Returns:
       (o [B, T, HV, V] in v's dtype, final_state [N, HV, K, V] float32 or None).
     """
     q, k, v, g = args.q, args.k, args.v, args.g
-    initial_state, cu_seqlens, chunk_size = args.initial_state, args.cu_seqlens, args.chunk_size
+    initial_state, cu_seqlens = args.initial_state, args.cu_seqlens
+    blocks = block_sizes_of(args.options, args.chunk_size)
     output_final_state = args.output_final_state
     batch, seq_len, num_heads, key_dim = q.shape
     num_value_heads, value_dim = v.shape[2], v.shape[3]
@@ -62,11 +101,11 @@ def kda_chunk(args):
         q, k, v, floor_log_decay(g), beta, initial_state, cu_seqlens
     )
 
-    layout = kl.make_layout(seq_len, key_dim, value_dim, chunk_size, cu_seqlens)
+    layout = kl.make_layout(seq_len, key_dim, value_dim, blocks.chunk_size, cu_seqlens)
     kp, vp = layout.key_pad, layout.value_pad
     config = PipelineConfig(
         kernel=KernelConfig(
-            blocks=BlockSizes.for_chunk(chunk_size),
+            blocks=blocks,
             scale=float(args.scale),
             group=num_value_heads // num_heads,
             input_dtype=kernel_dtype.name,

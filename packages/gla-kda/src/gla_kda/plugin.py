@@ -40,6 +40,7 @@ def gla_implementations():
             backends=frozenset({"tpu"}),
             supports=chunk.supports,
             interpretable=True,
+            options=chunk.OPTIONS,
         ),
         _implementation(
             "kda",

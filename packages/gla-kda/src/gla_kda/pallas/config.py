@@ -27,7 +27,8 @@ DEFAULT_STATE_GRAD_HEADS_PER_STEP = 2
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Tile sizes of the kda chunk kernels.
+    """Tile sizes of the kda chunk kernels (the `chunk` implementation sets the chunk and the counts
+    from its per-call options, `gla_kda.chunk.OPTIONS`).
 
     Attributes:
       chunk_size: C, tokens per chunk (one grid step along time).
@@ -68,9 +69,10 @@ class BlockSizes:
                 raise InvalidArgumentError(f"{name}: expected a positive count, got {getattr(self, name)}")
 
     @classmethod
-    def for_chunk(cls, chunk_size: int) -> BlockSizes:
-        """The default sub-block for a chunk size (the whole chunk when it is smaller than 16)."""
-        return cls(chunk_size=chunk_size, sub_chunk=min(DEFAULT_SUB_CHUNK, chunk_size))
+    def for_chunk(cls, chunk_size: int, **counts: int) -> BlockSizes:
+        """The default sub-block for a chunk size (the whole chunk when it is smaller than 16), and
+        the given per-step `counts` (chunks_per_step=..., ...; defaults for the others)."""
+        return cls(chunk_size=chunk_size, sub_chunk=min(DEFAULT_SUB_CHUNK, chunk_size), **counts)
 
     @property
     def num_sub_chunks(self) -> int:

@@ -12,11 +12,11 @@ A grid step takes m value heads (`BlockSizes.state_heads_per_step`): their chain
 products are independent, so the scheduler interleaves them (one head per step leaves the matrix
 unit waiting on each chain's latency). The per-step blocks are chosen so libtpu's static cost
 model estimates the kernel: h and delta are stored token-major ([B, NT*K, HV*V], [B, Tp, HV*V]:
-a step writes one [rows, m*V] block, like the k/v/g blocks it reads), and beta, whose
-head-major layout is shared with the other kernels, is read as m one-head blocks. Blocks of m
-heads of the head-major beta, h or delta ([m, rows, ...] blocks moving along the sequential time
-axis) make libtpu's static profile estimate 0 cycles for the whole kernel once the grid has two
-time steps.
+a step writes one [rows, m*V] block, like the k/v/g blocks it reads), and beta and tinv, whose
+head-major layout is shared with the other kernels, are read as m one-head blocks. Blocks of m
+heads of the head-major beta, tinv, h or delta ([m, rows, ...] blocks moving along the sequential
+time axis) make libtpu's static profile estimate 0 cycles for the whole kernel once the grid has
+two time steps (tinv's from chunk 128 on).
 
 Varlen: scalar-prefetched per-chunk metadata says where sequences start (reset S to that
 sequence's initial state) and end (write its final state); block index maps pick the
@@ -63,7 +63,7 @@ def state_kernel(first_ref, last_ref, seq_ref, *refs, config: KernelConfig, outp
     """Blocks of n consecutive chunks of one sequence and m = `heads` value heads (head i of the
     step at lanes i*K.. / i*V..): k [n*C, m*K]; v [n*C, m*V] (input dtype); g [n*C, m*K] raw
     per-step log decays (cleaned and cumsummed here, `chunk_math.Decays.of_steps`); m refs
-    beta [n, 1, C] (one per head); tinv [m, n*C, C]; h0 [m, K, V].
+    beta [n, 1, C] and tinv [n*C, C] (one ref per head); h0 [m, K, V].
 
     Outputs: h [n*K, m*V] (the state before each chunk), delta [n*C, m*V], ht [m, K, V]; scratch
     states [m, K, V] float32. Only the step's first chunk may start its sequence and only its last
@@ -73,8 +73,8 @@ def state_kernel(first_ref, last_ref, seq_ref, *refs, config: KernelConfig, outp
     refs = list(refs)
     k_ref, v_ref, g_ref = refs[:3]
     beta_refs = refs[3 : 3 + heads]
-    tinv_ref = refs[3 + heads]
-    rest = refs[4 + heads :]
+    tinv_refs = refs[3 + heads : 3 + 2 * heads]
+    rest = refs[3 + 2 * heads :]
     h0_ref = rest.pop(0) if outputs.has_initial_state else None
     h_ref = rest.pop(0)
     delta_ref = rest.pop(0) if outputs.emit_delta else None
@@ -102,7 +102,7 @@ def state_kernel(first_ref, last_ref, seq_ref, *refs, config: KernelConfig, outp
             decays = cm.Decays.of_steps(g_ref[rows, keys], sb)
             beta = row_to_column(beta_refs[i][n])
             v = cm.finite(v_ref[rows, values])
-            delta = wy_delta(k, v, decays, beta, tinv_ref[i, rows, :], states[i], config.mxu_dtype)
+            delta = wy_delta(k, v, decays, beta, tinv_refs[i][rows, :], states[i], config.mxu_dtype)
             if delta_ref is not None:
                 delta_ref[rows, values] = delta.astype(delta_ref.dtype)
             states[i] = advance_state(k, decays, delta, states[i], config.mxu_dtype)
@@ -123,10 +123,6 @@ def heads_per_step(value_heads: int, group: int, most: int) -> int:
     if group > 1:
         return 1
     return max(m for m in range(1, min(most, value_heads) + 1) if value_heads % m == 0)
-
-
-def chunk_index(b, j, t, *_):
-    return (b, j, t, 0)
 
 
 def sequence_index(b, j, t, first_ref, last_ref, seq_ref, *, states_per_row: int, per_step: int):
@@ -185,9 +181,9 @@ def _launch_state(k, v, g, beta, tinv, h0, first, last, seq, *, config, outputs,
         token_block(rows, m * value_dim),
         token_block(rows, m * key_dim),
         *(pl.BlockSpec((None, None, per_step, 1, c), head_index(i, m, 5)) for i in range(m)),
-        pl.BlockSpec((None, m, rows, c), chunk_index),
+        *(pl.BlockSpec((None, None, rows, c), head_index(i, m, 4)) for i in range(m)),
     ]
-    args = [k, v, g, *(beta,) * m, tinv]
+    args = [k, v, g, *(beta,) * m, *(tinv,) * m]
     if outputs.has_initial_state:
         in_specs.append(state_spec)
         args.append(h0)
