@@ -498,11 +498,9 @@ class PackedBlocks:
         """For each packed matrix P and column p < s - 1: [s, C] whose lanes of block b all hold
         column p of block b (B_p[i, b*s + q] = P[i, b*s + p]), as one [(s-1) s, C] array per
         matrix (rows p*s..(p+1)*s for column p). One exact selection product for all matrices."""
-        sb = self.sb
-        s, c = sb.sub, sb.chunk
-        same_block = _block_of(iota((c, c), 0), s) == _block_of(iota((c, c), 1), s)
+        s = self.sb.sub
         columns = [jnp.where(self.column == p, m, 0.0) for m in packed_mats for p in range(s - 1)]
-        spread = select_exact(jnp.concatenate(columns, axis=0), same_block)
+        spread = select_exact(jnp.concatenate(columns, axis=0), self.sb.same_block())
         rows = (s - 1) * s
         return [spread[i * rows : (i + 1) * rows] for i in range(len(packed_mats))]
 
@@ -534,7 +532,6 @@ def unit_lower_inverses(mats, sb: SubBlocks, unroll: bool, dtype=F32):
     mm = f32_dot(dtype)
     blocks = PackedBlocks(sb)
     spread = blocks.column_broadcasts([blocks.pack(a) for a in mats])
-    row_of = iota((s, c), 0)
 
     def eliminate(p, inv_blocks):
         return [
@@ -542,7 +539,7 @@ def unit_lower_inverses(mats, sb: SubBlocks, unroll: bool, dtype=F32):
             for inv, cols in zip(inv_blocks, spread, strict=True)
         ]
 
-    identity = (row_of == blocks.column).astype(F32)
+    identity = (iota((s, c), 0) == blocks.column).astype(F32)
     inverses = [blocks.unpack(d) for d in _loop(s - 1, eliminate, [identity for _ in mats], unroll)]
     row, col = iota((c, c), 0), iota((c, c), 1)
     width = s
