@@ -10,7 +10,9 @@ Each of these carries its own gradient; the kernels and their backward live in
 
 Per-call options (`impl_options={"chunk": {...}}`, per-chip defaults in `gla_core.tuning`):
 `kernel_chunk`, the kernels' chunk in place of the call's `chunk_size` (every chunk size computes
-the same function up to rounding), and the per-grid-step counts of `gla_kda.pallas.config.BlockSizes`.
+the same function up to rounding); `anchor_range`, the largest decay exponent of the anchored
+gated products (`gla_kda.pallas.config.KernelConfig.anchor`; 0: the exact products everywhere);
+and the per-grid-step counts of `gla_kda.pallas.config.BlockSizes`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,14 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from gla_core import Call
-from gla_core.kit import KERNEL_CHUNK_OPTION, Option, kernel_chunk_of, positive_int, unsupported_dtype_reason
+from gla_core.kit import (
+    ANCHOR_RANGE_OPTION,
+    KERNEL_CHUNK_OPTION,
+    Option,
+    kernel_chunk_of,
+    positive_int,
+    unsupported_dtype_reason,
+)
 from gla_kda.empty import empty_result, has_no_tokens
 from gla_kda.gate import kda_gate
 from gla_kda.inputs import beta_of, floor_log_decay
@@ -55,7 +64,7 @@ BLOCK_COUNT_OPTIONS = (
         "state_grad_heads_per_step", DEFAULT_STATE_GRAD_HEADS_PER_STEP, "most value heads per grid step: state_bwd"
     ),
 )
-OPTIONS = (KERNEL_CHUNK_OPTION, *BLOCK_COUNT_OPTIONS)
+OPTIONS = (KERNEL_CHUNK_OPTION, ANCHOR_RANGE_OPTION, *BLOCK_COUNT_OPTIONS)
 
 
 def block_sizes_of(options, chunk_size: int) -> BlockSizes:
@@ -110,6 +119,7 @@ def kda_chunk(args):
             group=num_value_heads // num_heads,
             input_dtype=kernel_dtype.name,
             interpret=bool(args.interpret),
+            anchor_range=args.options["anchor_range"],
         ),
         has_initial_state=initial_state is not None,
         output_final_state=output_final_state,

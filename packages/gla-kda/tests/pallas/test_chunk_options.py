@@ -16,6 +16,7 @@ from gla_ref.testing import check_against_oracle, make_case
 IMPL = "chunk"
 DEFAULTS = {
     "kernel_chunk": None,
+    "anchor_range": None,
     "chunks_per_step": 8,
     "grad_chunks_per_step": 4,
     "state_heads_per_step": 4,
@@ -24,6 +25,7 @@ DEFAULTS = {
 # v6e's row (v7x borrows it): chunks of 128.
 V6E_ROW = {
     "kernel_chunk": 128,
+    "anchor_range": None,
     "chunks_per_step": 8,
     "grad_chunks_per_step": 2,
     "state_heads_per_step": 4,
@@ -46,6 +48,7 @@ def _kwargs() -> dict:
         ({"grad_chunks_per_step": 2.0}, r"grad_chunks_per_step: expected a positive int, got 2\.0"),
         ({"state_heads_per_step": True}, r"state_heads_per_step: expected a positive int, got True"),
         ({"state_grad_heads_per_step": -1}, r"state_grad_heads_per_step: expected a positive int, got -1"),
+        ({"anchor_range": -1}, r"anchor_range: expected None \(the default of the input dtype\) .* got -1"),
     ],
 )
 def test_a_bad_option_is_an_error_naming_it(options, message):
@@ -54,7 +57,9 @@ def test_a_bad_option_is_an_error_naming_it(options, message):
 
 
 def test_an_unknown_option_is_an_error_listing_the_options():
-    with pytest.raises(UnknownArgumentError, match=r"no option 'sub_chunk'; its options: \['chunks_per_step'"):
+    with pytest.raises(
+        UnknownArgumentError, match=r"no option 'sub_chunk'; its options: \['anchor_range', 'chunks_per_step'"
+    ):
         gla_core.dispatch("kda", impl=IMPL, interpret=True, impl_options={IMPL: {"sub_chunk": 8}}, **_kwargs())
 
 
@@ -79,8 +84,8 @@ def test_the_chip_tables_set_the_options_and_a_call_overrides_them():
 
 
 def _counts(options: dict) -> dict:
-    """The per-step counts of a mapping of options (all but `kernel_chunk`)."""
-    return {name: value for name, value in options.items() if name != "kernel_chunk"}
+    """The per-step counts of a mapping of options (all but `kernel_chunk` and `anchor_range`)."""
+    return {name: value for name, value in options.items() if name not in ("kernel_chunk", "anchor_range")}
 
 
 def test_block_sizes_of_the_options():
@@ -131,6 +136,17 @@ CHUNK_128_CASES = {
             output_final_state=True,
         ),
         V6E_ROW,
+    ),
+    # No anchored products: the exact gated products in intra, and the exact loop over the diagonal
+    # sub-blocks in intra_bwd, for every chunk (by default, float32 inputs take the anchored ones where
+    # a step's decay exponents stay within 8, bfloat16 inputs within 30).
+    "exact_products_h0_ht": (
+        dict(seq_len=256, initial_state=True, output_final_state=True),
+        {**V6E_ROW, "anchor_range": 0},
+    ),
+    "exact_products_bf16_h0_ht": (
+        dict(seq_len=256, dtype=jnp.bfloat16, initial_state=True, output_final_state=True),
+        {**V6E_ROW, "anchor_range": 0},
     ),
 }
 

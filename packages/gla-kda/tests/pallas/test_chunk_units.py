@@ -23,10 +23,12 @@ import gla_core
 from gla_kda.pallas import chunk_math as cm
 from gla_kda.pallas import layout as kl
 from gla_kda.pallas.config import BlockSizes
+from gla_kda.pallas.gated_grads import diagonals_in_range, gated_grads
 from gla_ref.testing import TOLERANCES, assert_close
 
 TOL = TOLERANCES["float32_building_block"].output
 BF16X3_TOL = TOLERANCES["bfloat16x3_product"].output
+BF16_OPERAND_TOL = TOLERANCES["bfloat16"].output
 BF16X3_INVERSE_TOL = TOLERANCES["bfloat16x3_inverse"].output
 C, S, K = 64, 16, 32
 
@@ -71,13 +73,23 @@ def _exponents(hi, lo):
     return d.cum, d.to_end, d.total, d.before_anchor(2), d.within_block(2), d.from_position(5)
 
 
-@functools.partial(jax.jit, static_argnames="unroll")
-def _products(hi, lo, a, b, p, unroll):
+@functools.partial(jax.jit, static_argnames=("unroll", "dtype", "anchor_range"))
+def _products(hi, lo, a, b, p, unroll, dtype=jnp.float32, anchor_range=None):
+    """(rows, cols, dg, in range) as the backward kernel forms them: with the diagonal sub-blocks
+    anchored when `anchor_range` is given and the chunk is within it, exact otherwise."""
     d = cm.Decays(hi, cm.SubBlocks(C, S), lo)
-    grads = cm.gated_grads([(p, a)], b, d, jnp.float32, unroll)
-    zeros = jnp.zeros_like(a)
-    dg = d.gate_grad(zeros, zeros, grads.after_block, grads.before_block) + grads.direct
-    return grads.rows[0], grads.cols[0], dg
+
+    def products(anchor):
+        grads = gated_grads([(p, a)], b, d, dtype, unroll, anchor)
+        zeros = jnp.zeros_like(a)
+        dg = d.gate_grad(zeros, zeros, grads.after_block, grads.before_block, dtype) + grads.direct
+        return grads.rows[0], grads.cols[0], dg
+
+    if anchor_range is None:
+        return *products(None), jnp.asarray(False)
+    in_range = diagonals_in_range(d, anchor_range)
+    anchored, exact = products(anchor_range), products(None)
+    return *(jnp.where(in_range, x, y) for x, y in zip(anchored, exact, strict=True)), in_range
 
 
 def _exponent_pairs(g):
@@ -118,33 +130,71 @@ def test_decays_stay_exact_behind_strong_decays():
         assert error <= TOLERANCES["float32_elementwise"].output, f"{name}: decay off by {error:.2e} relative"
 
 
-@pytest.mark.parametrize(
-    ("data", "unroll"), [("mild", False), ("strong", False), ("strong", True), ("strong_then_weak", False)]
-)
-def test_gated_product_gradients(data, unroll):
-    """gated_grads (row, column and per-step decay gradients of the gated products) against explicit
-    [C, C, K] decays, rolled (interpret mode) and unrolled with static row picks (TPU). The forward's
-    gated products are gla-core's (`gla_core.chunk.products`, tested there)."""
+def _gated_product_reference(g, a, b, weights):
+    """(rows, cols, dg) of the gated products in float64: explicit [C, C, K] decays."""
+    decay = _decay_tensor(g)
+    pairs = np.einsum("ij,id,jd,ijd->ijd", weights, a, b, decay)
+    # d/dg_u of sum_ij W_ij a_i b_j exp(G_i - G_j): the pairs j < u <= i.
+    dg = np.stack([pairs[u:, :u].sum(axis=(0, 1)) for u in range(C)])
+    return np.einsum("ij,jd,ijd->id", weights, b, decay), np.einsum("ij,id,ijd->jd", weights, a, decay), dg
+
+
+def _gated_product_data(data: str):
     g, a, b = {"mild": _chunk_data(1, 0.5), "strong": _chunk_data(1, 40.0), "strong_then_weak": _strong_then_weak(1)}[
         data
     ]
-    weights = np.tril(np.random.default_rng(2).standard_normal((C, C)))
-    decay = _decay_tensor(g)
+    return g, a, b, np.tril(np.random.default_rng(2).standard_normal((C, C)))
+
+
+@pytest.mark.parametrize(
+    ("data", "unroll", "anchor_range"),
+    [
+        ("mild", False, None),
+        ("mild", True, 8.0),  # every |D| <= 4: the anchored diagonal sub-blocks
+        ("strong", False, None),
+        ("strong", True, None),
+        ("strong", True, 8.0),  # out of the anchor range: the exact loop
+        ("strong_then_weak", False, None),
+        ("strong_then_weak", True, 8.0),
+    ],
+)
+def test_gated_product_gradients(data, unroll, anchor_range):
+    """gated_grads (row, column and per-step decay gradients of the gated products) against explicit
+    [C, C, K] decays, rolled (interpret mode) and unrolled with static row picks (TPU), with the
+    diagonal sub-blocks exact or anchored. The forward's gated products are gla-core's
+    (`gla_core.chunk.products`, tested there)."""
+    g, a, b, weights = _gated_product_data(data)
     f32 = lambda x: jnp.asarray(x, jnp.float32)
-    rows, cols, dg = _products(*_local(g), f32(a), f32(b), f32(weights), unroll)
-    assert_close("rows", rows, np.einsum("ij,jd,ijd->id", weights, b, decay), TOL)
-    assert_close("cols", cols, np.einsum("ij,id,ijd->jd", weights, a, decay), TOL)
-    # d/dg_u of sum_ij W_ij a_i b_j exp(G_i - G_j): the pairs j < u <= i.
-    pairs = np.einsum("ij,id,jd,ijd->ijd", weights, a, b, decay)
-    expected = np.stack([pairs[u:, :u].sum(axis=(0, 1)) for u in range(C)])
-    assert_close("dg", dg, expected, TOL)
+    *got, anchored = _products(*_local(g), f32(a), f32(b), f32(weights), unroll, anchor_range=anchor_range)
+    assert bool(anchored) == (anchor_range is not None and data == "mild")
+    for name, value, expected in zip(
+        ("rows", "cols", "dg"), got, _gated_product_reference(g, a, b, weights), strict=True
+    ):
+        assert_close(name, value, expected, TOL)
 
 
-def test_gate_grad_sums_each_term_over_its_steps():
+def test_anchored_gated_product_gradients_in_bfloat16():
+    """bfloat16 matrix-unit operands, the anchored diagonal sub-blocks against the exact loop and
+    float64: the gate gradient's row and column sums cancel on the same rounded terms, so it keeps
+    bfloat16 operand accuracy (a difference of separately rounded sums would be off by s * 2^-9)."""
+    g, a, b, weights = _gated_product_data("mild")
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    reference = _gated_product_reference(g, a, b, weights)
+    products = functools.partial(_products, *_local(g), f32(a), f32(b), f32(weights), True, jnp.bfloat16)
+    for anchor_range in (None, 30.0):
+        *got, anchored = products(anchor_range=anchor_range)
+        assert bool(anchored) == (anchor_range is not None)
+        for name, value, expected in zip(("rows", "cols", "dg"), got, reference, strict=True):
+            assert_close(f"{name} (anchor range {anchor_range})", value, expected, BF16_OPERAND_TOL)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gate_grad_sums_each_term_over_its_steps(dtype):
+    """Float32 sums whatever the inputs' dtype (bfloat16: both bfloat16 parts of each term)."""
     rng = np.random.default_rng(6)
     parts = [rng.standard_normal((C, K)) for _ in range(4)]
     d = cm.Decays(jnp.zeros((C, K), jnp.float32), cm.SubBlocks(C, S), jnp.zeros((C, K), jnp.float32))
-    got = jax.jit(d.gate_grad)(*(jnp.asarray(x, jnp.float32) for x in parts))
+    got = jax.jit(functools.partial(d.gate_grad, dtype=dtype))(*(jnp.asarray(x, jnp.float32) for x in parts))
     rows, block = np.arange(C), np.arange(C) // S
     masks = (
         rows[None, :] >= rows[:, None],
@@ -153,7 +203,7 @@ def test_gate_grad_sums_each_term_over_its_steps():
         (rows[None, :] < rows[:, None]) & (block[None, :] == block[:, None]),
     )
     expected = sum(mask.astype(float) @ x for mask, x in zip(masks, parts, strict=True))
-    assert_close("dg", got, expected, TOL)
+    assert_close("dg", got, expected, TOL if dtype == jnp.float32 else BF16X3_TOL)
 
 
 def test_local_cumsum_is_compensated():

@@ -2,8 +2,9 @@
 
 Modules (kernel bodies separate from their launchers in each):
   config     block sizes, dtypes and compiler parameters shared by every kernel
-  chunk_math in-kernel building blocks: input cleaning, the decay cumsum, decay-anchored gated
-             products, (I + A)^-1, transposes
+  chunk_math in-kernel building blocks: input cleaning, the decay cumsum, decay exponents,
+             (I + A)^-1
+  gated_grads in-kernel gradients of the gated intra-chunk products (rows, columns, gates)
   layout     XLA side: [B, T, H, D] inputs as token-major [B, T, H*D] views for the forward
              kernels, head-major [B, H, T, D] copies for the backward kernels, and back
   intra      forward intra-chunk kernel: (I + Akk)^-1 and Aqk per chunk

@@ -19,7 +19,6 @@ slices and reductions, which Mosaic lowers.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -298,6 +297,11 @@ class Decays:
         rows = self.sb.rows
         return self._difference(rows(self.hi, r), rows(self.lo, r), self.hi[n : n + 1], self.lo[n : n + 1])
 
+    @functools.cached_property
+    def from_middle(self):
+        """[C, K] G_i - G_m, m the middle row of i's sub-block (exponents of either sign)."""
+        return self.from_position(self.sb.sub // 2)
+
     def from_position(self, jj):
         """[C, K] G_i - G_m, m the row at position jj of row i's sub-block (meaningful where i >= m)."""
         row = self.sb.broadcast_row
@@ -322,12 +326,7 @@ class Decays:
         return sum(mm(jnp.where(mask, 1.0, 0.0), term) for mask, term in zip(masks, terms, strict=True))
 
 
-def _masked_exp(diff, keep):
-    """exp(diff) where `keep`, 1 elsewhere (the difference there may be large and positive)."""
-    return jnp.exp(jnp.where(keep, diff, 0.0))
-
-
-def _loop(count: int, body, carry, unroll: bool):
+def position_loop(count: int, body, carry, unroll: bool):
     """Loop over sub-block positions: unrolled with static positions (TPU), or `lax.fori_loop`.
 
     Rolled loops keep interpret-mode programs small to compile; both compute the same values.
@@ -337,110 +336,6 @@ def _loop(count: int, body, carry, unroll: bool):
     for position in range(count):
         carry = body(position, carry)
     return carry
-
-
-@dataclasses.dataclass(frozen=True)
-class GatedGrads:
-    """Gradients of the gated products P[a]_ij = sum_d a_id b_jd exp(G_id - G_jd) (j <= i) for cotangents W.
-
-    rows: one [C, K] per product, sum_{j <= i} W_ij b_j exp(G_i - G_j) (times a: the row operand's gradient).
-    cols: one [C, K] per product, sum_{i >= j} W_ij a_i exp(G_i - G_j) (times b: the column operand's).
-    Gate gradient of all products together, in the parts `Decays.gate_grad` sums: with
-    M_ij = W_ij a_i b_j exp(G_i - G_j), every pair j < u <= i reaches the per-step decay g_u:
-      after_block [C, K]: M summed over the columns of earlier sub-blocks, for the rows of the
-        row's sub-block at or after u;
-      before_block [C, K]: M summed over the rows of later sub-blocks, for the columns of the
-        column's sub-block before u;
-      direct [C, K]: the pairs inside one sub-block, and the pairs whose sub-blocks lie on both
-        sides of u's sub-block.
-    Each part is a sum of the pairs' own terms; none is a difference of sums that cancel.
-    """
-
-    rows: list
-    cols: list
-    after_block: jax.Array
-    before_block: jax.Array
-    direct: jax.Array
-
-
-def gated_grads(pairs, col_op, decays: Decays, dtype, unroll: bool) -> GatedGrads:
-    """Row, column and gate gradients of gated products sharing the column operand b.
-
-    Args:
-      pairs: (W, a) per product: W [C, C] the cotangent of P (zero above the diagonal), a [C, K]
-        the row operand (float32).
-      col_op: the column operand b [C, K] float32.
-      decays: the chunk's decay exponents.
-      dtype: matrix-unit operand dtype of the off-diagonal products.
-      unroll: unroll the loop over sub-block positions.
-
-    Returns:
-      `GatedGrads`.
-    """
-    sb = decays.sb
-    c, k = sb.chunk, col_op.shape[1]
-    col = iota((c, c), 1)
-    rows_off = [[None] for _ in pairs]
-    # Column-side sums per sub-block of columns: off-diagonal block r reaches the columns j < r * s only.
-    col_slabs = [[None] * sb.count for _ in pairs]
-    after_off = [None]
-    between = [jnp.zeros((1, k), F32) for _ in range(sb.count)]
-    # Off-diagonal sub-blocks: rows of block r against the columns j < n = r * s, anchored at row n.
-    for r in range(1, sb.count):
-        n = r * sb.sub
-        col_decay = jnp.exp(decays.before_anchor(r)[:n])  # exp(G_n - G_j), [n, K]
-        b_anchored = col_op[:n] * col_decay
-        decay_rows = jnp.exp(decays.within_block(r))
-        after = jnp.zeros((sb.sub, k), F32)
-        column_terms = jnp.zeros((n, k), F32)
-        for index, (w, a) in enumerate(pairs):
-            before = sb.rows(w, r)[:, :n]  # [s, n]
-            row_grad = decay_rows * dot(before, b_anchored, dtype)
-            rows_off[index].append(row_grad)
-            after = after + sb.rows(a, r) * row_grad
-            # sum_{i in block r} W_ij a_i exp(G_i - G_n) for the columns j < n, [n, K].
-            from_block = dot(before, sb.rows(a, r) * decay_rows, dtype, trans_a=True)
-            reached = col_decay * from_block
-            for b in range(r):
-                slab = sb.rows(reached, b)
-                col_slabs[index][b] = slab if col_slabs[index][b] is None else col_slabs[index][b] + slab
-            column_terms = column_terms + b_anchored * from_block
-        after_off.append(after)
-        # Pairs (i in block r, j before block c) straddle every step of a block c strictly between.
-        for between_block in range(1, r):
-            between[between_block] = between[between_block] + jnp.sum(
-                column_terms[: between_block * sb.sub], axis=0, keepdims=True
-            )
-    cols = [sb.stack(slabs, k) for slabs in col_slabs]
-    before_block = col_op * sum(cols)  # the off-diagonal part so far: rows of later sub-blocks only
-    position, start = sb.position(k), sb.start(c)
-
-    # Diagonal sub-blocks: column position jj of every sub-block at a time, in increasing order.
-    def column(jj, carry):
-        rows, cols, reached, direct = carry
-        decay = _masked_exp(decays.from_position(jj), position >= jj)
-        b_col = sb.broadcast_row(col_op, jj)
-        target = col == start + jj
-        b_decayed = b_col * decay
-        new_rows, new_cols = [], []
-        for acc_row, acc_col, (w, a) in zip(rows, cols, pairs, strict=True):
-            w_col = jnp.sum(jnp.where(target, w, 0.0), axis=1, keepdims=True)  # W_i,jj
-            new_rows.append(acc_row + w_col * b_decayed)
-            weighted = w_col * a * decay
-            new_cols.append(acc_col + jnp.where(position == jj, sb.block_sums(weighted), 0.0))
-            reached = reached + weighted * b_col  # sum over the columns <= jj of M_ij
-        # Steps u = jj + 1: pairs j <= jj < u <= i inside the sub-block.
-        later = sb.block_sums(jnp.where(position > jj, reached, 0.0))
-        direct = direct + jnp.where(position == jj + 1, later, 0.0)
-        return new_rows, new_cols, reached, direct
-
-    zeros = jnp.zeros((c, k), F32)
-    rows_diag, cols, _, direct = _loop(sb.sub, column, ([zeros for _ in pairs], cols, zeros, zeros), unroll)
-    rows = [sb.stack(slabs, k) + diag for slabs, diag in zip(rows_off, rows_diag, strict=True)]
-    direct = direct + decays.per_block(between)
-    return GatedGrads(
-        rows=rows, cols=cols, after_block=sb.stack(after_off, k), before_block=before_block, direct=direct
-    )
 
 
 def unit_lower_inverse(a, sb: SubBlocks, unroll: bool, dtype=F32):
@@ -540,7 +435,7 @@ def unit_lower_inverses(mats, sb: SubBlocks, unroll: bool, dtype=F32):
         ]
 
     identity = (iota((s, c), 0) == blocks.column).astype(F32)
-    inverses = [blocks.unpack(d) for d in _loop(s - 1, eliminate, [identity for _ in mats], unroll)]
+    inverses = [blocks.unpack(d) for d in position_loop(s - 1, eliminate, [identity for _ in mats], unroll)]
     row, col = iota((c, c), 0), iota((c, c), 1)
     width = s
     while width < c:

@@ -10,7 +10,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from gla_core.errors import InvalidArgumentError
-from gla_core.kit import NUM_SUBLANES, interpret_params
+from gla_core.kit import NUM_SUBLANES, default_anchor_range, interpret_params
 
 DEFAULT_SUB_CHUNK = 16
 DEFAULT_CHUNKS_PER_STEP = 8
@@ -96,6 +96,8 @@ class KernelConfig:
       group: m = HV // H; value head j reads q/k head j // m.
       input_dtype: dtype name of q, k, v; matrix-unit operands use it (f32 accumulation).
       interpret: run the kernels in TPU interpret mode.
+      anchor_range: the `anchor_range` option (gla-core's): None for the default of the
+        matrix-unit dtype, 0 for the exact gated products everywhere (`anchor`).
     """
 
     blocks: BlockSizes
@@ -103,6 +105,15 @@ class KernelConfig:
     group: int
     input_dtype: str
     interpret: bool = False
+    anchor_range: float | None = None
+
+    @property
+    def anchor(self) -> float | None:
+        """The largest decay exponent |D| of the anchored gated products (`intra`, and the diagonal
+        sub-blocks of `intra_bwd`), beyond which a grid step is recomputed exactly; None when every
+        step takes the exact products."""
+        anchor = default_anchor_range(self.mxu_dtype) if self.anchor_range is None else self.anchor_range
+        return anchor if anchor > 0 else None
 
     @property
     def mxu_dtype(self):

@@ -7,7 +7,8 @@ within-chunk cumsum of the cleaned decay, `chunk_math.clean_log_decay`):
   Aqk_ij = scale sum_d q_id k_jd exp(G_id - G_jd)           j <= i
 The gated products are gla-core's (`gla_core.chunk.products`): one matrix product each from the
 anchored factors e^{+-D} of all n chunks of the step, recomputed exactly with the level products
-(every exponent <= 0) when a step's anchored exponents leave the anchor range.
+(every exponent <= 0) when a step's anchored exponents leave the anchor range (`KernelConfig.anchor`;
+every step without one).
 Every chunk is independent: the grid (B, HV, NT) is parallel on all axes.
 """
 
@@ -23,7 +24,6 @@ from gla_core.kit import (
     AnchoredProducts,
     LevelProducts,
     StepDecays,
-    default_anchor_range,
     fold_vmap,
     intra_costs,
     mask_table_inputs,
@@ -48,7 +48,6 @@ def intra_kernel(q_ref, k_ref, g_ref, beta_ref, table_ref, tinv_ref, aqk_ref, *,
     q = (cm.finite(q_ref[...]) * config.scale).reshape(n, c, -1)
     k = cm.finite(k_ref[...]).astype(jnp.float32).reshape(n, c, -1)
     a = cm.clean_log_decay(g_ref[...])
-    decays = StepDecays(a, table_ref, c, default_anchor_range(dtype))
     strict = cm.lower_mask(c, strict=True)
 
     def write(products):
@@ -58,8 +57,15 @@ def intra_kernel(q_ref, k_ref, g_ref, beta_ref, table_ref, tinv_ref, aqk_ref, *,
         for i, tinv in enumerate(cm.unit_lower_inverses(akks, sb, config.unroll, dtype)):
             tinv_ref[pl.ds(i * c, c), :] = tinv
 
+    def exact():
+        write(LevelProducts(a, table_ref, c, dtype))
+
+    if config.anchor is None:
+        exact()
+        return
+    decays = StepDecays(a, table_ref, c, config.anchor)
     write(AnchoredProducts(decays, dtype))
-    pl.when(jnp.logical_not(decays.in_range))(lambda: write(LevelProducts(a, table_ref, c, dtype)))
+    pl.when(jnp.logical_not(decays.in_range))(exact)
 
 
 def head_index(b, j, t):

@@ -8,7 +8,7 @@ S_next = exp(G_last) S + (k exp(G_last - G))^T delta, so (q below is scale * q):
   dAkk = -strict_tril(Tinv^T dTinv Tinv^T)   (Akk is strictly lower: no diagonal gradient)
   and the gated products Aqk, Akk = beta (k k^T decayed) are differentiated by `chunk_math`.
 dg is the gradient with respect to the per-step log decays g themselves: every term is summed
-over exactly the steps its exponent spans (`Decays.gate_grad`, `GatedGrads`). The gradient
+over exactly the steps its exponent spans (`Decays.gate_grad`, `gated_grads.GatedGrads`). The gradient
 with respect to the cumsum G, reverse-cumsummed into dg, would hold the row and column terms
 of every intra-chunk pair that does not span a step, which cancel exactly: for strong decays
 those terms are ~35x dg, and their rounding swamped dg (and dA_log, which sums dg * gate).
@@ -26,6 +26,7 @@ from jax.experimental import pallas as pl
 from gla_core.kit import column_to_row, fold_vmap, row_to_column
 from gla_kda.pallas import chunk_math as cm
 from gla_kda.pallas.config import KernelConfig, compiler_params, token_block
+from gla_kda.pallas.gated_grads import diagonals_in_range, gated_grads
 
 
 def intra_bwd_kernel(
@@ -56,33 +57,49 @@ def intra_bwd_kernel(
     """
     c, key_dim = config.blocks.chunk_size, q_ref.shape[-1]
     chunks = range(beta_ref.shape[0])
-    products = []
-    for n in chunks:
-        rows, states = pl.ds(n * c, c), pl.ds(n * key_dim, key_dim)
-        products.append(
-            chunk_products(
-                q_ref[rows, :].astype(cm.F32) * config.scale,
-                k_ref[rows, :].astype(cm.F32),
-                v_ref[rows, :].astype(cm.F32),
-                (g_ref[rows, :], g_lo_ref[rows, :]),
-                row_to_column(beta_ref[n]),
-                tinv_ref[rows, :],
-                h_ref[states, :].astype(cm.F32),
-                dstate_ref[states, :].astype(cm.F32),
-                ddelta_ref[rows, :].astype(cm.F32),
-                do_ref[rows, :].astype(cm.F32),
-                config,
+
+    def write(anchor_range):
+        """Writes every output, the diagonal sub-blocks anchored within `anchor_range` (None: exact);
+        returns the chunks' `Decays`."""
+        products = []
+        for n in chunks:
+            rows, states = pl.ds(n * c, c), pl.ds(n * key_dim, key_dim)
+            products.append(
+                chunk_products(
+                    q_ref[rows, :].astype(cm.F32) * config.scale,
+                    k_ref[rows, :].astype(cm.F32),
+                    v_ref[rows, :].astype(cm.F32),
+                    (g_ref[rows, :], g_lo_ref[rows, :]),
+                    row_to_column(beta_ref[n]),
+                    tinv_ref[rows, :],
+                    h_ref[states, :].astype(cm.F32),
+                    dstate_ref[states, :].astype(cm.F32),
+                    ddelta_ref[rows, :].astype(cm.F32),
+                    do_ref[rows, :].astype(cm.F32),
+                    config,
+                )
             )
-        )
-    # Second stage once every chunk's products are issued: the chunks' chains interleave.
-    for n, chunk in zip(chunks, products, strict=True):
-        rows = pl.ds(n * c, c)
-        dq, dk, dv, dbeta, dg = chunk_grads(chunk, config)
-        dq_ref[rows, :] = dq * config.scale
-        dk_ref[rows, :] = dk
-        dv_ref[rows, :] = dv
-        dbeta_ref[n] = column_to_row(dbeta)
-        dg_ref[rows, :] = dg
+        # Second stage once every chunk's products are issued: the chunks' chains interleave.
+        for n, chunk in zip(chunks, products, strict=True):
+            rows = pl.ds(n * c, c)
+            dq, dk, dv, dbeta, dg = chunk_grads(chunk, config, anchor_range)
+            dq_ref[rows, :] = dq * config.scale
+            dk_ref[rows, :] = dk
+            dv_ref[rows, :] = dv
+            dbeta_ref[n] = column_to_row(dbeta)
+            dg_ref[rows, :] = dg
+        return [chunk.decays for chunk in products]
+
+    anchor_range = config.anchor
+    decays = write(anchor_range)
+    if anchor_range is None:
+        return
+    # A step with a chunk out of the anchor range is recomputed with the exact diagonal sub-blocks.
+    in_range = functools.reduce(jnp.logical_and, [diagonals_in_range(d, anchor_range) for d in decays])
+
+    @pl.when(jnp.logical_not(in_range))
+    def _exact():
+        write(None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,13 +164,16 @@ def chunk_products(q, k, v, local_cumsum, beta, tinv, state, dstate, ddelta, do,
     )
 
 
-def chunk_grads(p: ChunkProducts, config: KernelConfig):
-    """(dq before the scale, dk, dv [C, V], dbeta [C, 1], dg) of one chunk, float32 ([C, K] unless stated)."""
+def chunk_grads(p: ChunkProducts, config: KernelConfig, anchor_range: float | None):
+    """(dq before the scale, dk, dv [C, V], dbeta [C, 1], dg) of one chunk, float32 ([C, K] unless stated).
+
+    anchor_range: of the diagonal sub-blocks' gated products (`gated_grads.gated_grads`), or None
+    for the exact loop."""
     dtype, q, k, beta, decays = config.mxu_dtype, p.q, p.k, p.beta, p.decays
     dv = beta * p.dy
     dbeta = jnp.sum(p.dy * p.projected, axis=1, keepdims=True)
     # Akk = beta * P[k] (strict), Aqk = P[q] (incl. the diagonal): W = d_akk with a = beta k, and d_aqk with a = q.
-    grads = cm.gated_grads([(p.d_akk, beta * k), (p.d_aqk, q)], k, decays, dtype, config.unroll)
+    grads = gated_grads([(p.d_akk, beta * k), (p.d_aqk, q)], k, decays, dtype, config.unroll, anchor_range)
     (rows_kk, rows_qk), (cols_kk, cols_qk) = grads.rows, grads.cols
     dbeta = dbeta + jnp.sum(k * rows_kk, axis=1, keepdims=True)
 
