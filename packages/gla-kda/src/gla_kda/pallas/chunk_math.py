@@ -73,6 +73,19 @@ def f32_dot(dtype):
     return dot_bf16x3
 
 
+def dot_mask(mask, x, dtype):
+    """mask [R, N] bool as 0/1 @ x [N, K] float32, as accurate as `f32_dot(dtype)`: for bfloat16
+    inputs the mask is exact in bfloat16, so `dot_bf16x3`'s product of its low part is zero and
+    x's two bfloat16 parts go side by side through one product."""
+    ones = jnp.where(mask, 1.0, 0.0)
+    if jnp.dtype(dtype) == F32:
+        return dot(ones, x, F32)
+    bf16, width = jnp.bfloat16, x.shape[-1]
+    hi = x.astype(bf16)
+    sums = dot(ones, jnp.concatenate([hi, (x - hi.astype(F32)).astype(bf16)], axis=-1), bf16)
+    return sums[:, :width] + sums[:, width:]
+
+
 def finite(x):
     """x [..] as float32 with NaN and +-inf replaced by 0 (`gla_kda.nonfinite.zero_nonfinite` in a kernel)."""
     x = x.astype(F32)
@@ -314,7 +327,7 @@ class Decays:
           dg_u = sum_{t >= u} after_t + sum_{t < u} before_t
                  + sum_{t >= u in u's sub-block} after_block_t + sum_{t < u in u's sub-block} before_block_t
         (G_t sums the decays up to t; G_last - G_t those after t; and the same inside a sub-block).
-        Float32 triangular matmuls (`f32_dot` of inputs of `dtype`); nothing is formed as a
+        Float32 triangular matmuls (`dot_mask` of inputs of `dtype`); nothing is formed as a
         difference of sums.
         """
         c = self.sb.chunk
@@ -322,8 +335,7 @@ class Decays:
         same_block = self.sb.same_block()
         masks = (t >= u, t < u, (t >= u) & same_block, (t < u) & same_block)
         terms = (after, before, after_block, before_block)
-        mm = f32_dot(dtype)
-        return sum(mm(jnp.where(mask, 1.0, 0.0), term) for mask, term in zip(masks, terms, strict=True))
+        return sum(dot_mask(mask, term, dtype) for mask, term in zip(masks, terms, strict=True))
 
 
 def position_loop(count: int, body, carry, unroll: bool):

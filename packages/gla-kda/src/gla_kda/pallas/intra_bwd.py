@@ -5,7 +5,9 @@ the state after it and ddelta (both from the reverse kernel), dO, and Tinv = (I 
 With y = beta (v - k exp(G) S) the forward is delta = Tinv y, o = scale q exp(G) S + Aqk delta,
 S_next = exp(G_last) S + (k exp(G_last - G))^T delta, so (q below is scale * q):
   dAqk = tril(dO delta^T)            dTinv = ddelta y^T        dy = Tinv^T ddelta
-  dAkk = -strict_tril(Tinv^T dTinv Tinv^T)   (Akk is strictly lower: no diagonal gradient)
+  dAkk = -strict_tril(Tinv^T dTinv Tinv^T) = -strict_tril(dy delta^T)
+  (Akk is strictly lower: no diagonal gradient; dTinv has rank V, so Tinv^T ddelta y^T Tinv^T
+  is the product of dy and delta = Tinv y, both already at hand)
   and the gated products Aqk, Akk = beta (k k^T decayed) are differentiated by `chunk_math`.
 dg is the gradient with respect to the per-step log decays g themselves: every term is summed
 over exactly the steps its exponent spans (`Decays.gate_grad`, `gated_grads.GatedGrads`). The gradient
@@ -136,15 +138,12 @@ def chunk_products(q, k, v, local_cumsum, beta, tinv, state, dstate, ddelta, do,
     """
     sb = cm.SubBlocks(config.blocks.chunk_size, config.blocks.sub_chunk)
     dtype, c = config.mxu_dtype, sb.chunk
-    mm = cm.f32_dot(dtype)
     decays = cm.Decays(local_cumsum[0], sb, local_cumsum[1])
     decay = jnp.exp(decays.cum)
     projected = v - cm.dot(k * decay, state, dtype)
     y = beta * projected
     delta = cm.dot(tinv, y, dtype)
     dy = cm.dot(tinv, ddelta, dtype, trans_a=True)
-    d_tinv = cm.dot(ddelta, y, dtype, trans_b=True)
-    d_akk = mm(mm(tinv, d_tinv, trans_a=True), tinv, trans_b=True)
     return ChunkProducts(
         q=q,
         k=k,
@@ -159,7 +158,7 @@ def chunk_products(q, k, v, local_cumsum, beta, tinv, state, dstate, ddelta, do,
         d_q_decayed=cm.dot(do, state, dtype, trans_b=True),
         d_k_decayed=-beta * cm.dot(dy, state, dtype, trans_b=True),
         d_k_to_end=cm.dot(delta, dstate, dtype, trans_b=True),
-        d_akk=jnp.where(cm.lower_mask(c, strict=True), -d_akk, 0.0),
+        d_akk=jnp.where(cm.lower_mask(c, strict=True), -cm.dot(dy, delta, dtype, trans_b=True), 0.0),
         d_aqk=jnp.where(cm.lower_mask(c, strict=False), cm.dot(do, delta, dtype, trans_b=True), 0.0),
     )
 
