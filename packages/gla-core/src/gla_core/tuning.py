@@ -10,7 +10,13 @@ static profile of these kernels for v5e (an LLO type check on a bfloat16 unpack)
 be swept by static estimate here (its compiles, without the profile, are checked by the
 tpu_compile tests with the borrowed values). The one v5e row of its own, kda's `chunk`, is set
 by hand to fit v5e's 16 MiB default scoped VMEM: v6e's 8 chunks of 128 per grid step reserve
-~18 MiB in kda_state, so v5e takes 4 (the other values are v6e's).
+~18 MiB in kda_state, so v5e takes 4 (the other values are v6e's). v6e's fused_chunk
+`block_tokens` of 512 is set by hand too: the sweep that wrote its row could not compile 512
+(the kernels' scoped VMEM limit did not count their [C, C] temporaries, see
+`gla_fused.fused_chunk.forward.sequential_in_time_params`); with the limit counting them, 512
+beats 256 on every simple_gla program of the cost report (v6e static estimate over the floor,
+B=2 T=4096 H=16: g 1.80 -> 1.59 forward, 2.79 -> 2.71 training; g_gamma 1.81 -> 1.59, 2.83 -> 2.74;
+packed 4 sequences in T=8192: 1.87 -> 1.74, 3.07 -> 2.98).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 libtpu compile-only compiles (v5e, v6e) of the forward and the training step.
 
 Shapes: B=2, T=4096, H=16, K=V=128 bf16 (the per-chip table's kernel chunk and tokens per grid step:
-256 and 256 on v6e, borrowed by v5e), and packed varlen B=1, T=8192, 8 sequences (`cu_seqlens`
+256 and 512 on v6e, borrowed by v5e), and packed varlen B=1, T=8192, 8 sequences (`cu_seqlens`
 traced: per-sequence states by DMA); gates g and g_gamma; with h0 and final state. The training step is
 `grad(sum(o * do) + sum(final_state))` over q, k, v, the gate and h0, and also returns o:
 fused_chunk_fwd (writing the state before every chunk) and fused_chunk_bwd. Compile tests print
@@ -18,12 +18,13 @@ import jax.numpy as jnp
 import pytest
 
 import gla_core
-from gla_core.kit import KERNEL_VMEM_BUDGET_BYTES, compile_for_tpu, export_for_tpu
+from gla_core.kit import compile_for_tpu, export_for_tpu
 
 BATCH, SEQ_LEN, HEADS, DIM = 2, 4096, 16, 128
-# The kernels ask for `KERNEL_VMEM_BUDGET_BYTES` of scoped VMEM (all heads of 256 tokens at chunk 256
-# take 18-31 MiB on v5e and v6e, above v5e's default scoped limit of 16 MiB) and must fit in it.
-VMEM_BUDGET = KERNEL_VMEM_BUDGET_BYTES
+# The kernels ask for at least `KERNEL_VMEM_BUDGET_BYTES` of scoped VMEM, more when their blocks and
+# [C, C] temporaries need it (`gla_fused.fused_chunk.forward.sequential_in_time_params`): all heads of
+# 512 tokens at chunk 256 take up to 59 MiB, above v5e's default scoped limit of 16 MiB and v6e's 32 MiB.
+VMEM_BUDGET = 64 * 2**20
 # Packed varlen inputs are XLA gathers, not the caller's arrays, and XLA keeps some of them in VMEM
 # for the kernel: the reservation it reports for the kernel then grows by ~30 MiB (the same fixed-length
 # forward fed by a gather: 25.1 -> 55.9 MiB on v5e; the packed forward with 8 sequences 66.4 MiB).

@@ -116,13 +116,13 @@ def test_explain_shows_fused_chunk_options():
 
 
 def test_v6e_table_sets_chunk_256():
-    """Calls traced for v6e (and v5e, v7x, which borrow its rows) take chunk 256 and 256 tokens per
+    """Calls traced for v6e (and v5e, v7x, which borrow its rows) take chunk 256 and 512 tokens per
     grid step from the per-chip table; a per-call option still wins."""
     (q, k, v), g = _structs()
     for chip in ("v5e", "v6e", "v7x"):
         with gla_core.use(backend="tpu", chip=chip):
             options = gla_core.explain("simple_gla", q, k, v, g=g).options
-        assert (options["kernel_chunk"], options["block_tokens"]) == (256, 256), chip
+        assert (options["kernel_chunk"], options["block_tokens"]) == (256, 512), chip
     with gla_core.use(backend="tpu", chip="v6e"):
         options = gla_core.explain(
             "simple_gla", q, k, v, g=g, impl_options={"fused_chunk": {"kernel_chunk": 64}}

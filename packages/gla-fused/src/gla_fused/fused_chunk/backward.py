@@ -246,7 +246,7 @@ def fused_chunk_bwd(q, k, v, do, gate, states, dht, meta=None, *, geo: BackwardG
             lambda *refs: _backward_kernel(*refs, geo=geo),
             out_shape=out_shape,
             **time_grid_spec(fwd, (b, blocks), in_specs, out_specs, scratch),
-            compiler_params=sequential_in_time_params(vmem),
+            compiler_params=sequential_in_time_params(vmem, heads=h_count, chunk=c, chunks=nc),
             interpret=interpret_params(fwd.interpret),
             cost_estimate=cost,
             name="fused_chunk_bwd",
