@@ -3,14 +3,15 @@
 For cotangents W [C, C] (zero above the diagonal) of P[a]_ij = sum_d a_id b_jd exp(G_id - G_jd)
 (j <= i, notation of `chunk_math`): the row operand's gradient, the column operand's, and the
 gradient with respect to the per-step log decays, each term summed only over the steps its
-exponent spans (no difference of sums that cancel: see `intra_bwd`).
+exponent spans (no difference of separately rounded sums that cancel: see `intra_bwd`).
 
 Off-diagonal sub-blocks (rows of block r, columns before it) are matrix products anchored at the
 first row of block r, every exponent <= 0. The s x s diagonal sub-blocks take one of two forms:
   anchored (the fast path): with D_t = G_t - G_m, m the middle row of t's sub-block,
       exp(G_i - G_j) = exp(D_i) exp(-D_j)
-    makes each product one block-diagonal matrix product. Used when every |D| of the chunk is
-    within the anchor range (as gla-core's anchored products); the exponents are clipped to it,
+    makes each product one block-diagonal matrix product. Used when every |D| of the grid step is
+    within the anchor range (as gla-core's anchored products; the kernel recomputes a step out of
+    range with the exact form); the exponents are clipped to it,
     so nothing overflows whatever the decays. The gate gradient of a pair j < i of one sub-block
     reaches the steps j < u <= i: summed over t >= u, (row sums of M)_t - (column sums of M)_t
     leaves exactly those pairs. Both sums take every pair's term from the same rounded operands
@@ -62,9 +63,6 @@ class _Diagonal:
     cols: list
     after_block: jax.Array
     direct: jax.Array
-
-
-jax.tree_util.register_dataclass(_Diagonal, data_fields=["rows", "cols", "after_block", "direct"], meta_fields=[])
 
 
 def gated_grads(pairs, col_op, decays: Decays, dtype, unroll: bool, anchor_range: float | None) -> GatedGrads:
