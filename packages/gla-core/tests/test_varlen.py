@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gla_core.varlen import build_chunk_layout, from_chunks, num_padded_chunks, to_chunks
+from gla_core.varlen import build_chunk_layout, even_step_chunks, from_chunks, num_padded_chunks, to_chunks
 
 
 def python_layout(boundaries: list[int], chunk: int):
@@ -24,15 +24,23 @@ def python_layout(boundaries: list[int], chunk: int):
 
 
 @pytest.mark.parametrize(
-    ("boundaries", "chunk"),
-    [([0, 100], 64), ([0, 1, 1, 65, 130, 131], 64), ([0, 0, 0, 7], 16), ([0, 16, 32], 16), ([0, 5, 9, 200], 128)],
+    ("boundaries", "chunk", "step_chunks"),
+    [
+        ([0, 100], 64, 1),
+        ([0, 1, 1, 65, 130, 131], 64, 1),
+        ([0, 1, 1, 65, 130, 131], 16, 4),
+        ([0, 0, 0, 7], 16, 1),
+        ([0, 16, 32], 16, 1),
+        ([0, 5, 9, 200], 128, 1),
+        ([0, 5, 9, 200], 16, 8),
+    ],
 )
-def test_layout_matches_python_construction(boundaries, chunk):
+def test_layout_matches_python_construction(boundaries, chunk, step_chunks):
     total = boundaries[-1]
-    layout = build_chunk_layout(jnp.array(boundaries, jnp.int32), total, chunk)
+    layout = build_chunk_layout(jnp.array(boundaries, jnp.int32), total, chunk, step_chunks)
     expected = python_layout(boundaries, chunk)
     used = len(expected)
-    assert layout.num_chunks == num_padded_chunks(total, len(boundaries) - 1, chunk) >= used
+    assert layout.num_chunks == num_padded_chunks(total, len(boundaries) - 1, chunk, step_chunks) >= used
     got = list(
         zip(
             np.asarray(layout.chunk_sequence[:used]).tolist(),
@@ -48,6 +56,19 @@ def test_layout_matches_python_construction(boundaries, chunk):
     lengths = np.diff(boundaries)
     np.testing.assert_array_equal(layout.sequence_length, lengths)
     np.testing.assert_array_equal(layout.empty_sequence, lengths == 0)
+
+
+@pytest.mark.parametrize(
+    ("num_chunks", "step_chunks", "expected"),
+    [(68, 8, 72), (64, 8, 64), (65, 8, 72), (66, 16, 70), (6, 8, 6), (7, 1, 7), (1, 4, 1), (17, 4, 20)],
+)
+def test_even_step_chunks(num_chunks, step_chunks, expected):
+    """The fewest grid steps of at most `step_chunks`, each of the same size, with less than one
+    padding chunk per step."""
+    got = even_step_chunks(num_chunks, step_chunks)
+    assert got == expected
+    steps = -(-num_chunks // step_chunks)
+    assert got % steps == 0 and got // steps <= step_chunks and got - num_chunks < steps
 
 
 def test_round_trip_and_zero_padding():

@@ -7,7 +7,9 @@ layout of `num_chunks` chunks where each sequence starts on a chunk boundary:
     packed   | s0 s0 s0 s0 s0 | s1 s1 | s2 ...            (T tokens)
     padded   | s0 s0 s0 s0 | s0 -- -- -- | s1 s1 -- -- | s2 ...   (num_chunks * C slots)
 
-`num_chunks = cdiv(T + N * (C - 1), C)` depends only on T, N and C, never on the
+`num_chunks` is `cdiv(T + N * (C - 1), C)`, the worst case of any boundaries, rounded up so that
+it splits evenly into the fewest grid steps of at most the kernels' chunks per step
+(`even_step_chunks`). It depends only on T, N, C and that step size, never on the
 boundaries, so under `jax.jit` changing only the boundaries does not recompile. Chunks
 past the last sequence are empty padding. Gathers happen here, in XLA, never in kernels.
 Empty (length-0) sequences own no chunk: callers keep their state unchanged
@@ -78,17 +80,33 @@ class ChunkLayout:
         return jnp.where(empty, passed, states)
 
 
-def num_padded_chunks(total_len: int, num_sequences: int, chunk_size: int) -> int:
-    """Upper bound on sum(ceil(len_n / C)) over any partition of T tokens into N sequences."""
-    return max(1, -(-(total_len + num_sequences * (chunk_size - 1)) // chunk_size))
+def num_padded_chunks(total_len: int, num_sequences: int, chunk_size: int, step_chunks: int = 1) -> int:
+    """Upper bound on sum(ceil(len_n / C)) over any partition of T tokens into N sequences, rounded
+    up for grid steps of at most `step_chunks` chunks (`even_step_chunks`)."""
+    worst = max(1, -(-(total_len + num_sequences * (chunk_size - 1)) // chunk_size))
+    return even_step_chunks(worst, step_chunks)
 
 
-def build_chunk_layout(cu_seqlens: jax.Array, total_len: int, chunk_size: int) -> ChunkLayout:
-    """Builds the padded per-sequence chunk layout for `cu_seqlens` [N+1] (int32, may be traced)."""
+def even_step_chunks(num_chunks: int, step_chunks: int) -> int:
+    """The fewest chunks >= `num_chunks` that split evenly into the fewest grid steps of at most
+    `step_chunks` chunks each (fewer than one padding chunk per step).
+
+    The kernels take a divisor of the chunk count per grid step, and the worst case of packed
+    sequences is often a poor one (T / C + N: 68 chunks at T = 8192, C = 128, N = 4, 4 per step
+    for a step size of 8). Each grid step costs a fixed overhead and overlaps less of its work, so
+    17 steps of 4 chunks take longer than 9 steps of 8 with 4 padding chunks.
+    """
+    steps = -(-num_chunks // step_chunks)
+    return steps * -(-num_chunks // steps)
+
+
+def build_chunk_layout(cu_seqlens: jax.Array, total_len: int, chunk_size: int, step_chunks: int = 1) -> ChunkLayout:
+    """Builds the padded per-sequence chunk layout for `cu_seqlens` [N+1] (int32, may be traced),
+    of `num_padded_chunks(total_len, N, chunk_size, step_chunks)` chunks."""
     cu = cu_seqlens.astype(jnp.int32)
     n = cu.shape[0] - 1
     c = chunk_size
-    nt = num_padded_chunks(total_len, n, c)
+    nt = num_padded_chunks(total_len, n, c, step_chunks)
     starts, lengths = cu[:-1], cu[1:] - cu[:-1]
     chunks_per_sequence = (lengths + c - 1) // c
     chunk_end = jnp.cumsum(chunks_per_sequence)  # exclusive end chunk of each sequence

@@ -110,7 +110,7 @@ def kda_chunk(args):
         q, k, v, floor_log_decay(g), beta, initial_state, cu_seqlens
     )
 
-    layout = kl.make_layout(seq_len, key_dim, value_dim, blocks.chunk_size, cu_seqlens)
+    layout = kl.make_layout(seq_len, key_dim, value_dim, blocks.chunk_size, cu_seqlens, blocks.chunks_per_step)
     kp, vp = layout.key_pad, layout.value_pad
     config = PipelineConfig(
         kernel=KernelConfig(

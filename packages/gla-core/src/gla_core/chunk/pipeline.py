@@ -105,7 +105,7 @@ class ChunkConfig:
             raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES}, got {chunk_size}")
         arrays = dict(q=q, v=v, **arrays)
         config = cls(
-            geometry=prepare.geometry(q, v, chunk_size, num_sequences),
+            geometry=prepare.geometry(q, v, chunk_size, num_sequences, block_sizes.block_chunks),
             scale=float(q.shape[-1] ** -0.5 if scale is None else scale),
             output_final_state=bool(output_final_state),
             interpret=bool(interpret),
@@ -222,7 +222,7 @@ class KernelInputs:
 def kernel_inputs(config: ChunkConfig, q, k, v, g, g_gamma, gk, initial_state, cu_seqlens) -> KernelInputs:
     """Re-lays the op's arguments for the kernels (XLA: pads, transposes, varlen gathers)."""
     geo = config.geometry
-    layout = varlen.build_chunk_layout(cu_seqlens, geo.seq_len, geo.chunk) if geo.varlen else None
+    layout = geo.chunk_layout(cu_seqlens)
     if config.gate_mode == "key":
         gate = prepare.key_gate(gk, geo, layout)
     else:  # g + g_gamma per step; without either, a zero log decay

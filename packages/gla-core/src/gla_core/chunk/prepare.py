@@ -55,6 +55,13 @@ class Geometry:
     chunk: int
     num_chunks: int
     num_sequences: int | None  # N for varlen, else None
+    step_chunks: int = 1  # the most chunks of a grid step, which a varlen layout is rounded for
+
+    def chunk_layout(self, cu_seqlens: jax.Array) -> varlen.ChunkLayout | None:
+        """The padded per-sequence layout of `cu_seqlens` [N+1] (`num_chunks` chunks), None for fixed length."""
+        if not self.varlen:
+            return None
+        return varlen.build_chunk_layout(cu_seqlens, self.seq_len, self.chunk, self.step_chunks)
 
     @property
     def varlen(self) -> bool:
@@ -78,13 +85,16 @@ class Geometry:
         return self.num_sequences if self.varlen else 1
 
 
-def geometry(q, v, chunk: int, num_sequences: int | None) -> Geometry:
+def geometry(q, v, chunk: int, num_sequences: int | None, step_chunks: int = 1) -> Geometry:
+    """The sizes of a call with q [B, T, H, K] and v [B, T, H, V]: fixed length, or `num_sequences`
+    packed sequences laid out for grid steps of at most `step_chunks` chunks."""
     batch, seq_len, num_heads, key_dim = q.shape
     if num_sequences is None:
         num_chunks = max(1, -(-seq_len // chunk))
     else:
-        num_chunks = varlen.num_padded_chunks(seq_len, num_sequences, chunk)
-    return Geometry(batch, seq_len, num_heads, key_dim, v.shape[-1], chunk, num_chunks, num_sequences)
+        num_chunks = varlen.num_padded_chunks(seq_len, num_sequences, chunk, step_chunks)
+    dims = (batch, seq_len, num_heads, key_dim, v.shape[-1], chunk, num_chunks, num_sequences)
+    return Geometry(*dims, step_chunks=step_chunks)
 
 
 def chunk_meta(geo: Geometry, layout: varlen.ChunkLayout | None) -> ChunkMeta:

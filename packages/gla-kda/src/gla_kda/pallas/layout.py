@@ -64,11 +64,14 @@ class KernelLayout:
         return round_up(self.value_dim, NUM_LANES)
 
 
-def make_layout(seq_len: int, key_dim: int, value_dim: int, chunk_size: int, cu_seqlens=None) -> KernelLayout:
-    """The kernel layout for a (possibly packed varlen) input of T = `seq_len` tokens."""
+def make_layout(
+    seq_len: int, key_dim: int, value_dim: int, chunk_size: int, cu_seqlens=None, step_chunks: int = 1
+) -> KernelLayout:
+    """The kernel layout for a (possibly packed varlen) input of T = `seq_len` tokens; packed
+    sequences are laid out for grid steps of at most `step_chunks` chunks (`build_chunk_layout`)."""
     if cu_seqlens is None:
         return KernelLayout(seq_len, chunk_size, -(-seq_len // chunk_size), key_dim, value_dim, None)
-    varlen = build_chunk_layout(cu_seqlens, seq_len, chunk_size)
+    varlen = build_chunk_layout(cu_seqlens, seq_len, chunk_size, step_chunks)
     return KernelLayout(seq_len, chunk_size, varlen.num_chunks, key_dim, value_dim, varlen)
 
 
