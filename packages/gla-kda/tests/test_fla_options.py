@@ -4,7 +4,8 @@ allow_neg_eigval (beta = 2 sigmoid), safe_gate with and without the in-kernel ga
 a precomputed g, A_log=None with a lower bound, A_log in FLA's [1, 1, HV, 1] layout,
 disable_recompute, state_v_first, return_intermediate_states (the state entering every chunk), and
 the same gate options of fused_kda_gate. Each case combines several options; the Pallas `chunk`
-pipeline runs one combination in TPU interpret mode and declines the options it cannot honour.
+pipeline runs one combination in TPU interpret mode, with and without disable_recompute, and
+declines the option it cannot honour (return_intermediate_states).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import numpy as np
 import pytest
 
 import gla_core
+from gla_core.pallas_jaxpr import pallas_equations
+from gla_core.static_profile import call_name
 from gla_kda import chunk_kda, fused_kda_gate
 from gla_ref import chunk_states, recurrent
 from gla_ref.testing import TOLERANCES, assert_close, check_against_oracle, jit_dispatch, make_case
@@ -92,21 +95,47 @@ def test_options_against_the_oracle(name):
 
 
 @pytest.mark.interpret
-def test_chunk_pipeline_with_fla_options(interpret):
+@pytest.mark.parametrize("disable_recompute", [False, True])
+def test_chunk_pipeline_with_fla_options(interpret, disable_recompute):
     case = _gate_without_a_log(use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True, output_final_state=True)
-    case = dataclasses.replace(case, options={**case.options, "chunk_size": 16})
+    case = dataclasses.replace(case, options={**case.options, "chunk_size": 16, "disable_recompute": disable_recompute})
     run = lambda **kw: gla_core.dispatch("kda", impl="chunk", interpret=interpret, **kw)
     check_against_oracle(_v_first(run), case)
 
 
-def test_chunk_declines_what_it_cannot_honour():
+def _abstract_call():
+    """Abstract arrays of a small kda call (q, k, v) and its gates."""
     shape = lambda *dims: jax.ShapeDtypeStruct(dims, jnp.float32)
     arrays = (shape(1, 64, 1, 16), shape(1, 64, 1, 16), shape(1, 64, 2, 16))
-    gates = dict(g=shape(1, 64, 2, 16), beta=shape(1, 64, 2))
-    for option in ("disable_recompute", "return_intermediate_states"):
-        resolution = gla_core.explain("kda", *arrays, **gates, **{option: True}, interpret=True, among=("chunk", "xla"))
-        assert resolution.winner.name == "xla"
-        assert option in {c.implementation.name: c.reason for c in resolution.candidates}["chunk"]
+    return arrays, dict(g=shape(1, 64, 2, 16), beta=shape(1, 64, 2))
+
+
+def test_chunk_declines_what_it_cannot_honour():
+    arrays, gates = _abstract_call()
+    option = "return_intermediate_states"
+    resolution = gla_core.explain("kda", *arrays, **gates, **{option: True}, interpret=True, among=("chunk", "xla"))
+    assert resolution.winner.name == "xla"
+    assert option in {c.implementation.name: c.reason for c in resolution.candidates}["chunk"]
+    kept = gla_core.explain("kda", *arrays, **gates, disable_recompute=True, interpret=True, among=("chunk", "xla"))
+    assert kept.winner.name == "chunk"
+
+
+@pytest.mark.parametrize(("disable_recompute", "state_kernels"), [(False, 2), (True, 1)])
+def test_disable_recompute_keeps_the_forward_states(disable_recompute, state_kernels):
+    """The training step runs the state kernel twice (forward, and again in the backward), once when
+    the backward keeps the forward's per-chunk states."""
+    arrays, gates = _abstract_call()
+
+    def loss(q, k, v, g, beta):
+        o, _ = gla_core.dispatch(
+            "kda", q, k, v, g=g, beta=beta, impl="chunk", interpret=True, disable_recompute=disable_recompute
+        )
+        return jnp.sum(o)
+
+    closed = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(*arrays, *gates.values())
+    names = [call_name(eqn) for eqn in pallas_equations(closed.jaxpr)]
+    assert names.count("kda_state") == state_kernels
+    assert names.count("kda_state_bwd") == 1
 
 
 def _oracle_chunk_states(case, boundaries, chunk_size, v_first):

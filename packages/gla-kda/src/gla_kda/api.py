@@ -53,8 +53,8 @@ def chunk_kda(
     Runs implementation "chunk" (Pallas TPU pipeline) when it accepts the call — on a TPU
     backend, or anywhere in TPU interpret mode (`interpret=True`, `GLA_INTERPRET=1`,
     `gla_core.use(interpret=True)`) — and the chunked XLA implementation "xla" otherwise
-    (CPU/GPU default, and the calls "chunk" declines: `disable_recompute`,
-    `return_intermediate_states`). Both compute the same function with a backward.
+    (CPU/GPU default, and the calls "chunk" declines: `return_intermediate_states`). Both compute
+    the same function with a backward.
 
     Args:
       q: [B, T, H, K] queries.
@@ -78,7 +78,7 @@ def chunk_kda(
       lower_bound: negative float. With `use_gate_in_kernel`, the gate's lower bound (above); without,
         the stated bound of the given g (FLA's safe-gate calls; g is used as given).
       disable_recompute: keep the intermediates for the backward instead of recomputing them
-        (memory for speed; served by "xla": the Pallas pipeline recomputes its states).
+        (memory for speed; the Pallas pipeline keeps the per-chunk states its forward writes).
       return_intermediate_states: also return the state entering every chunk, h [B, NT, HV, K, V]
         in q's dtype (NT = ceil(T / chunk_size); packed: B = 1 and the chunks of every sequence in
         order, which needs host boundaries: `cu_seqlens_cpu` or a concrete `cu_seqlens`).

@@ -125,6 +125,7 @@ def kda_chunk(args):
         output_final_state=output_final_state,
         states_per_row=1 if cu_seqlens is None else cu_seqlens.shape[0] - 1,
         varlen=cu_seqlens is not None,
+        keep_states=bool(args.disable_recompute),
     )
     h0 = None if initial_state is None else kl.pad_state(initial_state, layout)
     o, ht = chunk_pipeline(
@@ -146,10 +147,6 @@ def kda_chunk(args):
     return guard.apply(o, ht)
 
 
-DISABLE_RECOMPUTE_REASON = (
-    "disable_recompute=True: the Pallas pipeline's backward recomputes the chunk states (keeping them "
-    "from the forward is a change inside gla_kda.pallas, not made yet); impl='xla' keeps its intermediates"
-)
 INTERMEDIATE_STATES_REASON = (
     "return_intermediate_states=True: the Pallas pipeline does not return its per-chunk states; impl='xla' does"
 )
@@ -157,9 +154,7 @@ INTERMEDIATE_STATES_REASON = (
 
 def supports(call: Call) -> str | None:
     """Declines what the kernels cannot run: float64 (no 64-bit floats on TPU), and FLA's
-    `disable_recompute` and `return_intermediate_states` (see the reasons)."""
-    if call.option("disable_recompute", False):
-        return DISABLE_RECOMPUTE_REASON
+    `return_intermediate_states` (see the reason)."""
     if call.option("return_intermediate_states", False):
         return INTERMEDIATE_STATES_REASON
     return unsupported_dtype_reason(call.dtype)

@@ -1,7 +1,8 @@
 """The kda chunk pipeline, with its backward (`jax.custom_vjp`).
 
 Forward:  intra (Tinv, Aqk) -> state (h per chunk, delta, final states) -> output (o).
-Backward: state again (h; nothing but the inputs, Tinv and Aqk is kept from the forward)
+Backward: state again (h; nothing but the inputs, Tinv and Aqk is kept from the forward),
+          or the forward's h with `keep_states` (FLA's disable_recompute)
           -> reverse state gradient (dS per chunk, ddelta, d initial_state)
           -> per-chunk gradients (dq, dk, dv, dbeta, dG).
 Every kernel folds a `jax.vmap` axis into its batch axis, and differentiating the backward
@@ -49,6 +50,9 @@ class PipelineConfig:
       varlen: the row holds `cu_seqlens` sequences, which may end at any chunk (each is padded to
         whole chunks and the row to its static worst case: even one sequence may end before the
         row's last chunk).
+      keep_states: the backward takes the states h the forward wrote for its output kernel (held
+        from the forward to the backward: one more residual of the size of k) instead of running
+        the state kernel again (FLA's disable_recompute).
     """
 
     kernel: KernelConfig
@@ -56,6 +60,7 @@ class PipelineConfig:
     output_final_state: bool
     states_per_row: int
     varlen: bool
+    keep_states: bool = False
 
 
 def _mask_empty(states, empty):
@@ -64,7 +69,7 @@ def _mask_empty(states, empty):
 
 
 def _forward(config: PipelineConfig, q, k, v, g, beta, h0, meta: ChunkMeta):
-    """Outputs and the residuals (Tinv, Aqk)."""
+    """Outputs and what the backward may keep: (Tinv, Aqk, h)."""
     kernel = config.kernel
     tinv, aqk = launch_intra(q, k, g, beta, kernel)
     outputs = StateOutputs(
@@ -74,7 +79,7 @@ def _forward(config: PipelineConfig, q, k, v, g, beta, h0, meta: ChunkMeta):
     o = launch_output(q, g, h, delta, aqk, kernel, v.dtype)
     if ht is not None:
         ht = _mask_empty(ht, meta.empty)
-    return (o, ht), (tinv, aqk)
+    return (o, ht), (tinv, aqk, h)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -92,8 +97,8 @@ def chunk_pipeline(config: PipelineConfig, q, k, v, g, beta, h0, meta: ChunkMeta
 
 
 def _pipeline_fwd(config, q, k, v, g, beta, h0, meta):
-    outputs, (tinv, aqk) = _forward(config, q, k, v, g, beta, h0, meta)
-    return outputs, (q, k, v, g, beta, h0, meta, tinv, aqk)
+    outputs, (tinv, aqk, h) = _forward(config, q, k, v, g, beta, h0, meta)
+    return outputs, (q, k, v, g, beta, h0, meta, tinv, aqk, h if config.keep_states else None)
 
 
 def _group_sum(x, group: int, dtype):
@@ -110,11 +115,12 @@ def _clean_log_decay(g):
 
 
 def _pipeline_bwd(config, residuals, cotangents):
-    q, k, v, g, beta, h0, meta, tinv, aqk = residuals
+    q, k, v, g, beta, h0, meta, tinv, aqk, h = residuals
     do, dht = cotangents
     kernel = config.kernel
-    recompute = StateOutputs(has_initial_state=config.has_initial_state, emit_delta=False, emit_final_state=False)
-    h, _, _ = launch_state(k, v, g, beta, tinv, h0, meta, kernel, recompute, config.states_per_row, config.varlen)
+    if h is None:
+        recompute = StateOutputs(has_initial_state=config.has_initial_state, emit_delta=False, emit_final_state=False)
+        h, _, _ = launch_state(k, v, g, beta, tinv, h0, meta, kernel, recompute, config.states_per_row, config.varlen)
     if dht is not None:
         dht = _mask_empty(dht.astype(jnp.float32), meta.empty)
     value_heads = beta.shape[1]
