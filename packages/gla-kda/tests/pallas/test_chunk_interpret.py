@@ -20,6 +20,7 @@ import pytest
 
 import gla_core
 from gla_core.errors import HigherOrderDerivativeError
+from gla_core.varlen import num_padded_chunks
 from gla_kda.pallas.config import BlockSizes
 from gla_kda.pallas.state import heads_per_step
 from gla_ref.testing import (
@@ -75,8 +76,9 @@ CASES = {
     "state_3_heads_per_step_2_time_steps_batch2_h0_ht": dict(
         batch=2, seq_len=160, num_heads=6, chunk_size=16, initial_state=True, output_final_state=True
     ),
-    # Packed sequences: one chunk per step (a sequence starting mid-row), 4 heads per step forward,
-    # 2 in the reverse kernel.
+    # Packed sequences: 14 chunks of 16 (the worst case 13 rounded up to two steps of 7), so one
+    # sequence ends and the next starts inside a grid step of the state kernels (their states move
+    # by DMA); 4 heads per step forward, 2 in the reverse kernel.
     "state_4_heads_per_step_varlen_h0_ht": dict(
         seq_len=150,
         num_heads=4,
@@ -99,6 +101,14 @@ def test_state_heads_per_step():
     for most, counts in ((blocks.state_heads_per_step, [3, 4, 1]), (blocks.state_grad_heads_per_step, [2, 2, 1])):
         assert [heads_per_step(6, 1, most), heads_per_step(4, 1, most), heads_per_step(4, 2, most)] == counts
     assert [heads_per_step(16, 1, 4), heads_per_step(7, 1, 4), heads_per_step(1, 1, 4)] == [4, 1, 1]
+
+
+def test_packed_state_steps_hold_sequence_edges():
+    """The packed case above has 14 chunks of 16, walked 7 per grid step: sequence 0 (chunks 0-1)
+    ends and sequence 2 (chunks 2-10) starts inside the first step."""
+    blocks = BlockSizes.for_chunk(16)
+    num_chunks = num_padded_chunks(150, 3, 16, blocks.chunks_per_step)
+    assert (num_chunks, blocks.per_step(num_chunks)) == (14, 7)
 
 
 def _report(case, errors) -> str:

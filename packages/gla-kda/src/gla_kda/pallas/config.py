@@ -37,8 +37,8 @@ class BlockSizes:
         A multiple of 8 that divides C.
       chunks_per_step: the most chunks one grid step processes (fewer per-step overheads;
         in the parallel kernels, independent chains the scheduler interleaves). `per_step`
-        picks the largest divisor of the chunk count not above it; the sequential kernels take
-        one chunk per step when a batch row packs several sequences.
+        picks the largest divisor of the chunk count not above it (a packed row's chunk count
+        is rounded up to split evenly, `gla_core.varlen.even_step_chunks`).
       grad_chunks_per_step: the same for the per-chunk gradient kernel, which holds about twice
         the VMEM per chunk (8 chunks of K = V = 128 take 14.8 MiB of v5e's 16 MiB scoped VMEM).
       state_heads_per_step: the most value heads one grid step of the forward state recurrence

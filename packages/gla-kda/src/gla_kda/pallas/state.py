@@ -19,8 +19,9 @@ time axis) make libtpu's static profile estimate 0 cycles for the whole kernel o
 two time steps (tinv's from chunk 128 on).
 
 Varlen: scalar-prefetched per-chunk metadata says where sequences start (reset S to that
-sequence's initial state) and end (write its final state); block index maps pick the
-sequence's initial/final state with it.
+sequence's initial state) and end (write its final state). With fixed length these are the grid
+step's first and last chunks, and block index maps pick the row's initial/final state; packed
+sequences start and end at any chunk, and their states move by DMA (`sequence_states`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from jax.experimental.pallas import tpu as pltpu
 from gla_core.kit import KERNEL_VMEM_BUDGET_BYTES, fold_vmap, row_to_column
 from gla_kda.pallas import chunk_math as cm
 from gla_kda.pallas.config import KernelConfig, compiler_params, head_index, token_block
+from gla_kda.pallas.sequence_states import SequenceStates, state_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,17 +61,28 @@ def advance_state(k, decays: cm.Decays, delta, state, dtype):
     return row_to_column(jnp.exp(decays.total)) * state + cm.dot(k_to_end, delta, dtype, trans_a=True)
 
 
-def state_kernel(first_ref, last_ref, seq_ref, *refs, config: KernelConfig, outputs: StateOutputs, heads: int):
-    """Blocks of n consecutive chunks of one sequence and m = `heads` value heads (head i of the
-    step at lanes i*K.. / i*V..): k [n*C, m*K]; v [n*C, m*V] (input dtype); g [n*C, m*K] raw
-    per-step log decays (cleaned and cumsummed here, `chunk_math.Decays.of_steps`); m refs
-    beta [n, 1, C] and tinv [n*C, C] (one ref per head); h0 [m, K, V].
+def state_kernel(
+    first_ref,
+    last_ref,
+    seq_ref,
+    *refs,
+    config: KernelConfig,
+    outputs: StateOutputs,
+    heads: int,
+    states_per_row: int,
+    packed: bool,
+):
+    """Blocks of n consecutive chunks and m = `heads` value heads (head i of the step at lanes
+    i*K.. / i*V..): k [n*C, m*K]; v [n*C, m*V] (input dtype); g [n*C, m*K] raw per-step log
+    decays (cleaned and cumsummed here, `chunk_math.Decays.of_steps`); m refs beta [n, 1, C] and
+    tinv [n*C, C] (one ref per head); h0 [m, K, V], or with `packed` sequences every sequence's
+    [N, HV, K, V] in HBM.
 
-    Outputs: h [n*K, m*V] (the state before each chunk), delta [n*C, m*V], ht [m, K, V]; scratch
-    states [m, K, V] float32. Only the step's first chunk may start its sequence and only its last
-    may end it (the launcher takes one chunk per step when sequences are packed).
+    Outputs: h [n*K, m*V] (the state before each chunk), delta [n*C, m*V], ht [m, K, V] (`packed`:
+    [N, HV, K, V] in HBM); scratch states [m, K, V] float32, and with `packed` the DMA slot
+    [m, K, V] float32. Without `packed` (one sequence per batch row) only the step's first chunk
+    may start its sequence and only its last may end it.
     """
-    del seq_ref
     refs = list(refs)
     k_ref, v_ref, g_ref = refs[:3]
     beta_refs = refs[3 : 3 + heads]
@@ -79,15 +92,22 @@ def state_kernel(first_ref, last_ref, seq_ref, *refs, config: KernelConfig, outp
     h_ref = rest.pop(0)
     delta_ref = rest.pop(0) if outputs.emit_delta else None
     ht_ref = rest.pop(0) if outputs.emit_final_state else None
-    (state_ref,) = rest
+    state_ref = rest.pop(0)
     per_step = beta_refs[0].shape[0]
     c, key_dim, value_dim = config.blocks.chunk_size, state_ref.shape[1], state_ref.shape[2]
     sb = cm.SubBlocks(c, config.blocks.sub_chunk)
     t = pl.program_id(2)
+    sequences = None
+    if packed:
+        (slot_ref,) = rest
+        sequences = SequenceStates(first_ref, last_ref, seq_ref, h0_ref, ht_ref, slot_ref, states_per_row)
 
-    @pl.when((t == 0) | (first_ref[t * per_step] == 1))
+    # Packed sequences restart chunk by chunk (`SequenceStates.restart`) from a zero row start.
+    starts_row = (t == 0) if packed else (t == 0) | (first_ref[t * per_step] == 1)
+
+    @pl.when(starts_row)
     def _reset():
-        if h0_ref is None:
+        if h0_ref is None or packed:
             state_ref[...] = jnp.zeros(state_ref.shape, state_ref.dtype)
         else:
             state_ref[...] = h0_ref[...].astype(cm.F32)
@@ -95,6 +115,8 @@ def state_kernel(first_ref, last_ref, seq_ref, *refs, config: KernelConfig, outp
     states = [state_ref[i] for i in range(heads)]
     for n in range(per_step):
         rows = pl.ds(n * c, c)
+        if sequences is not None:
+            states = sequences.restart(t * per_step + n, states)
         for i in range(heads):  # independent chains: the scheduler interleaves them
             keys, values = pl.ds(i * key_dim, key_dim), pl.ds(i * value_dim, value_dim)
             h_ref[pl.ds(n * key_dim, key_dim), values] = states[i].astype(h_ref.dtype)
@@ -106,9 +128,11 @@ def state_kernel(first_ref, last_ref, seq_ref, *refs, config: KernelConfig, outp
             if delta_ref is not None:
                 delta_ref[rows, values] = delta.astype(delta_ref.dtype)
             states[i] = advance_state(k, decays, delta, states[i], config.mxu_dtype)
+        if sequences is not None:
+            sequences.emit(t * per_step + n, states)
     for i in range(heads):
         state_ref[i] = states[i]
-    if ht_ref is not None:
+    if ht_ref is not None and not packed:
 
         @pl.when(last_ref[t * per_step + per_step - 1] == 1)
         def _final():
@@ -123,12 +147,6 @@ def heads_per_step(value_heads: int, group: int, most: int) -> int:
     if group > 1:
         return 1
     return max(m for m in range(1, min(most, value_heads) + 1) if value_heads % m == 0)
-
-
-def sequence_index(b, j, t, first_ref, last_ref, seq_ref, *, states_per_row: int, per_step: int):
-    """Initial/final state block of the sequence owning step t's chunks: sequence seq[t * per_step] of
-    batch row b (j: the step's block of value heads)."""
-    return (b * states_per_row + seq_ref[t * per_step], j, 0, 0)
 
 
 def state_cost(batch, heads, num_chunks, c, k, v, itemsize):
@@ -150,7 +168,8 @@ def launch_state(
       beta: [B, HV, NT, 1, C] float32; tinv: [B, HV, Tp, C] float32;
       h0: [N, HV, K, V] float32 or None; meta: `ChunkMeta` (first, last, seq int32 [NT]).
       states_per_row: N / B (1, or the number of packed sequences of the one varlen row).
-      varlen: sequences may end at any chunk (`PipelineConfig.varlen`): one chunk per grid step.
+      varlen: sequences may start and end at any chunk (`PipelineConfig.varlen`): their states
+      move by DMA (`sequence_states`).
     Returns:
       (h [B, NT*K, HV*V] (rows n*K.. hold the state before chunk n; lanes j*V.. value head j),
       delta [B, Tp, HV*V] (token-major) or None, ht [N, HV, K, V] float32 or None).
@@ -169,13 +188,10 @@ def _launch_state(k, v, g, beta, tinv, h0, first, last, seq, *, config, outputs,
     c = config.blocks.chunk_size
     num_chunks = padded_len // c
     num_states = batch * states_per_row
-    per_step = 1 if varlen else config.blocks.per_step(num_chunks)
+    per_step = config.blocks.per_step(num_chunks)
     rows = per_step * c
     m = heads_per_step(heads, config.group, config.blocks.state_heads_per_step)
-    state_spec = pl.BlockSpec(
-        (None, m, key_dim, value_dim),
-        functools.partial(sequence_index, states_per_row=states_per_row, per_step=per_step),
-    )
+    sequence_spec = state_spec(varlen, m, key_dim, value_dim)
     in_specs = [
         token_block(rows, m * key_dim, config.group),
         token_block(rows, m * value_dim),
@@ -185,7 +201,7 @@ def _launch_state(k, v, g, beta, tinv, h0, first, last, seq, *, config, outputs,
     ]
     args = [k, v, g, *(beta,) * m, *(tinv,) * m]
     if outputs.has_initial_state:
-        in_specs.append(state_spec)
+        in_specs.append(sequence_spec)
         args.append(h0)
     out_specs = [token_block(per_step * key_dim, m * value_dim)]
     out_shape = [jax.ShapeDtypeStruct((batch, num_chunks * key_dim, heads * value_dim), config.store_dtype)]
@@ -193,18 +209,21 @@ def _launch_state(k, v, g, beta, tinv, h0, first, last, seq, *, config, outputs,
         out_specs.append(token_block(rows, m * value_dim))
         out_shape.append(jax.ShapeDtypeStruct((batch, padded_len, heads * value_dim), config.store_dtype))
     if outputs.emit_final_state:
-        out_specs.append(state_spec)
+        out_specs.append(sequence_spec)
         out_shape.append(jax.ShapeDtypeStruct((num_states, heads, key_dim, value_dim), jnp.float32))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
         grid=(batch, heads // m, num_chunks // per_step),
         in_specs=in_specs,
         out_specs=out_specs,
-        scratch_shapes=[pltpu.VMEM((m, key_dim, value_dim), jnp.float32)],
+        scratch_shapes=[pltpu.VMEM((m, key_dim, value_dim), jnp.float32)] * (2 if varlen else 1),
+    )
+    kernel = functools.partial(
+        state_kernel, config=config, outputs=outputs, heads=m, states_per_row=states_per_row, packed=varlen
     )
     with jax.named_scope("kda_state"):
         results = pl.pallas_call(
-            functools.partial(state_kernel, config=config, outputs=outputs, heads=m),
+            kernel,
             grid_spec=grid_spec,
             out_shape=out_shape,
             compiler_params=compiler_params(sequential_time=True, vmem_limit_bytes=KERNEL_VMEM_BUDGET_BYTES),

@@ -6,7 +6,9 @@ Walking the chunks backwards with dS, the gradient of the state after the curren
   dS    <- exp(G_last) * dS + scale (q exp(G))^T dO - w^T ddelta        (w = Tinv beta k exp(G))
 It stores dS before the update (the gradient of the state after every chunk) and ddelta,
 and, at the first chunk of each sequence, dS after the update: d initial_state.
-Time runs backwards through the index maps (no flipped copies).
+Time runs backwards through the index maps (no flipped copies). Packed sequences start and end at
+any chunk of a grid step: their final-state cotangents and initial-state gradients move by DMA
+(`sequence_states`, walking backwards).
 
 A grid step takes m value heads (`BlockSizes.state_grad_heads_per_step`) whose chains of
 dependent products the scheduler interleaves, with the block layouts of the forward state kernel
@@ -28,6 +30,7 @@ from jax.experimental.pallas import tpu as pltpu
 from gla_core.kit import KERNEL_VMEM_BUDGET_BYTES, fold_vmap, row_to_column
 from gla_kda.pallas import chunk_math as cm
 from gla_kda.pallas.config import KernelConfig, compiler_params, head_index, token_block
+from gla_kda.pallas.sequence_states import SequenceStates, state_spec
 from gla_kda.pallas.state import heads_per_step
 
 
@@ -39,18 +42,28 @@ class StateGradOptions:
     emit_initial_grad: bool
 
 
-def state_bwd_kernel(first_ref, last_ref, seq_ref, *refs, config: KernelConfig, options: StateGradOptions, heads: int):
-    """Blocks of n consecutive chunks of one sequence (visited last to first) and m = `heads` value
-    heads (head i of the step at lanes i*K.. / i*V..): q, k [n*C, m*K] (input dtype); do [n*C, m*V];
-    m refs each (one per head) of g, g_lo [n*C, K] (sub-block-local decay cumsum, hi and lo parts),
-    beta [n, 1, C], tinv [n*C, C] and aqk [n*C, C]; dht [m, K, V].
+def state_bwd_kernel(
+    first_ref,
+    last_ref,
+    seq_ref,
+    *refs,
+    config: KernelConfig,
+    options: StateGradOptions,
+    heads: int,
+    states_per_row: int,
+    packed: bool,
+):
+    """Blocks of n consecutive chunks (visited last to first) and m = `heads` value heads (head i of
+    the step at lanes i*K.. / i*V..): q, k [n*C, m*K] (input dtype); do [n*C, m*V]; m refs each
+    (one per head) of g, g_lo [n*C, K] (sub-block-local decay cumsum, hi and lo parts), beta
+    [n, 1, C], tinv [n*C, C] and aqk [n*C, C]; dht [m, K, V], or with `packed` sequences every
+    sequence's [N, HV, K, V] in HBM.
 
     Outputs: dstate [n*K, m*V] (gradient of the state after each chunk), ddelta [n*C, m*V],
-    dh0 [m, K, V]; scratch dS [m, K, V] float32. Only the step's last chunk may end its sequence
-    and only its first may start it (the launcher takes one chunk per step when sequences are
-    packed).
+    dh0 [m, K, V] (`packed`: [N, HV, K, V] in HBM); scratch dS [m, K, V] float32, and with
+    `packed` the DMA slot [m, K, V] float32. Without `packed` (one sequence per batch row) only the
+    step's last chunk may end its sequence and only its first may start it.
     """
-    del seq_ref
     refs = list(refs)
     q_ref, k_ref, do_ref = refs[:3]
     head_refs = [refs[3 + 5 * i : 8 + 5 * i] for i in range(heads)]  # g, g_lo, beta, tinv, aqk
@@ -58,19 +71,25 @@ def state_bwd_kernel(first_ref, last_ref, seq_ref, *refs, config: KernelConfig, 
     dht_ref = rest.pop(0) if options.has_final_cotangent else None
     dstate_ref, ddelta_ref = rest[:2]
     dh0_ref = rest[2] if options.emit_initial_grad else None
-    grad_ref = rest[-1]
+    grad_ref = rest[3] if options.emit_initial_grad else rest[2]
     per_step = head_refs[0][2].shape[0]
     c, key_dim, value_dim = config.blocks.chunk_size, grad_ref.shape[1], grad_ref.shape[2]
     sb = cm.SubBlocks(c, config.blocks.sub_chunk)
     t = pl.program_id(2)
     first_chunk = (pl.num_programs(2) - 1 - t) * per_step
     last_chunk = first_chunk + per_step - 1
+    sequences = None
+    if packed:  # walking backwards, a sequence starts at its last chunk and ends at its first
+        sequences = SequenceStates(last_ref, first_ref, seq_ref, dht_ref, dh0_ref, rest[-1], states_per_row)
 
-    @pl.when((t == 0) | (last_ref[last_chunk] == 1))
+    # Packed sequences restart chunk by chunk (`SequenceStates.restart`) from a zero row end.
+    starts_row = (t == 0) if packed else (t == 0) | (last_ref[last_chunk] == 1)
+
+    @pl.when(starts_row)
     def _reset():
         grad_ref[...] = jnp.zeros(grad_ref.shape, grad_ref.dtype)
 
-    if dht_ref is not None:
+    if dht_ref is not None and not packed:
 
         @pl.when(last_ref[last_chunk] == 1)
         def _final_cotangent():
@@ -101,6 +120,8 @@ def state_bwd_kernel(first_ref, last_ref, seq_ref, *refs, config: KernelConfig, 
     grads = [grad_ref[i] for i in range(heads)]
     for n in reversed(range(per_step)):
         rows = pl.ds(n * c, c)
+        if sequences is not None:
+            grads = sequences.restart(first_chunk + n, grads)
         for i in range(heads):  # independent chains: the scheduler interleaves them
             values = pl.ds(i * value_dim, value_dim)
             from_output, k_to_end, total_decay, q_term, w = terms(i, n)
@@ -108,21 +129,16 @@ def state_bwd_kernel(first_ref, last_ref, seq_ref, *refs, config: KernelConfig, 
             ddelta = from_output + cm.dot(k_to_end, grads[i], dtype)
             ddelta_ref[rows, values] = ddelta.astype(ddelta_ref.dtype)
             grads[i] = total_decay * grads[i] + q_term - cm.dot(w, ddelta, dtype, trans_a=True)
+        if sequences is not None:
+            sequences.emit(first_chunk + n, grads)
     for i in range(heads):
         grad_ref[i] = grads[i]
-    if dh0_ref is not None:
+    if dh0_ref is not None and not packed:
 
         @pl.when(first_ref[first_chunk] == 1)
         def _initial_grad():
             for i in range(heads):
                 dh0_ref[i] = grads[i]
-
-
-def reversed_sequence_index(b, j, t, first_ref, last_ref, seq_ref, *, num_steps: int, states_per_row: int):
-    """Final/initial state block of the sequence owning step t's chunks (one sequence per step;
-    j: the step's block of value heads)."""
-    per_step = first_ref.shape[0] // num_steps
-    return (b * states_per_row + seq_ref[(num_steps - 1 - t) * per_step], j, 0, 0)
 
 
 def state_bwd_cost(batch, heads, num_chunks, c, k, v, itemsize):
@@ -162,8 +178,8 @@ def launch_state_bwd(
       (token-major); g, g_lo: [B, HV, Tp, K] float32 sub-block-local decay cumsum
       (`layout.local_cumsum`); beta: [B, HV, NT, 1, C] float32;
       tinv, aqk: [B, HV, Tp, C] (`launch_intra`); dht: [N, HV, K, V] float32 or None;
-      meta: `ChunkMeta`. states_per_row: N / B. varlen: sequences may end at any chunk
-      (`PipelineConfig.varlen`): one chunk per grid step.
+      meta: `ChunkMeta`. states_per_row: N / B. varlen: sequences may start and end at any chunk
+      (`PipelineConfig.varlen`): their states move by DMA (`sequence_states`).
     Returns:
       (dstate [B, NT*K, HV*V] (rows n*K.. the gradient of the state after chunk n; lanes j*V..
       value head j), ddelta [B, Tp, HV*V] (token-major), dh0 [N, HV, K, V] float32 or None).
@@ -189,13 +205,10 @@ def _launch_state_bwd(
     num_chunks = padded_len // c
     num_states = batch * states_per_row
     options = StateGradOptions(has_final_cotangent=dht is not None, emit_initial_grad=emit_initial_grad)
-    per_step = 1 if varlen else config.blocks.per_step(num_chunks)
+    per_step = config.blocks.per_step(num_chunks)
     num_steps, rows = num_chunks // per_step, per_step * c
     m = heads_per_step(heads, config.group, config.blocks.state_grad_heads_per_step)
-    state_spec = pl.BlockSpec(
-        (None, m, key_dim, value_dim),
-        functools.partial(reversed_sequence_index, num_steps=num_steps, states_per_row=states_per_row),
-    )
+    sequence_spec = state_spec(varlen, m, key_dim, value_dim)
     # Head-major inputs as m one-head blocks (m-head blocks of them moving along the sequential
     # time axis make libtpu's static profile estimate 0 cycles; see `state`).
     head_specs, head_args = [], []
@@ -216,7 +229,7 @@ def _launch_state_bwd(
     ]
     args = [q, k, do, *head_args]
     if dht is not None:
-        in_specs.append(state_spec)
+        in_specs.append(sequence_spec)
         args.append(dht)
     out_specs = [
         token_block(per_step * key_dim, m * value_dim, num_steps=num_steps),
@@ -227,18 +240,21 @@ def _launch_state_bwd(
         jax.ShapeDtypeStruct((batch, padded_len, heads * value_dim), config.store_dtype),
     ]
     if emit_initial_grad:
-        out_specs.append(state_spec)
+        out_specs.append(sequence_spec)
         out_shape.append(jax.ShapeDtypeStruct((num_states, heads, key_dim, value_dim), jnp.float32))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
         grid=(batch, heads // m, num_steps),
         in_specs=in_specs,
         out_specs=out_specs,
-        scratch_shapes=[pltpu.VMEM((m, key_dim, value_dim), jnp.float32)],
+        scratch_shapes=[pltpu.VMEM((m, key_dim, value_dim), jnp.float32)] * (2 if varlen else 1),
+    )
+    kernel = functools.partial(
+        state_bwd_kernel, config=config, options=options, heads=m, states_per_row=states_per_row, packed=varlen
     )
     with jax.named_scope("kda_state_bwd"):
         results = pl.pallas_call(
-            functools.partial(state_bwd_kernel, config=config, options=options, heads=m),
+            kernel,
             grid_spec=grid_spec,
             out_shape=out_shape,
             compiler_params=compiler_params(sequential_time=True, vmem_limit_bytes=KERNEL_VMEM_BUDGET_BYTES),
