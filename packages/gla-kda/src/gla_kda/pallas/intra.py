@@ -36,8 +36,8 @@ from gla_kda.pallas.config import KernelConfig, compiler_params, token_block
 def intra_kernel(q_ref, k_ref, g_ref, beta_ref, table_ref, tinv_ref, aqk_ref, *, config: KernelConfig):
     """Blocks of n chunks: q, k [n*C, K] input dtype; g [n*C, K] raw per-step log decays (cleaned
     here, `chunk_math.clean_log_decay`); beta [n, 1, C]; table: gla-core's `KeyMaskTable`; outputs
-    tinv [n*C, C] float32, aqk [n*C, C] in `config.store_dtype` (its readers multiply it in the
-    matrix-unit dtype).
+    tinv and aqk [n*C, C] in `config.store_dtype` (every reader multiplies them in the matrix-unit
+    dtype, so storing them rounded to it changes no result).
 
     The chunks are independent; their (I + Akk)^-1 are solved together (`unit_lower_inverses`)
     so that their serial chains interleave.
@@ -55,7 +55,7 @@ def intra_kernel(q_ref, k_ref, g_ref, beta_ref, table_ref, tinv_ref, aqk_ref, *,
         aqk_ref[...] = products.scores(q, k).reshape(n * c, c).astype(aqk_ref.dtype)
         akks = [jnp.where(strict, row_to_column(beta_ref[i]) * kk[i], 0.0) for i in range(n)]
         for i, tinv in enumerate(cm.unit_lower_inverses(akks, sb, config.unroll, dtype)):
-            tinv_ref[pl.ds(i * c, c), :] = tinv
+            tinv_ref[pl.ds(i * c, c), :] = tinv.astype(tinv_ref.dtype)
 
     def exact():
         write(LevelProducts(a, table_ref, c, dtype))
@@ -95,7 +95,7 @@ def launch_intra(q, k, g, beta, config: KernelConfig):
       g: [B, Tp, HV*K] float32 raw per-step log decays.
       beta: [B, HV, NT, 1, C] float32.
     Returns:
-      tinv: [B, HV, Tp, C] float32; aqk: [B, HV, Tp, C] in `config.store_dtype`.
+      tinv, aqk: [B, HV, Tp, C] in `config.store_dtype`.
       Under `jax.vmap` the mapped axis folds into B (`gla_core.pallas_transforms.fold_vmap`).
     """
     launch = functools.partial(_launch_intra, config=config)
@@ -112,7 +112,7 @@ def _launch_intra(q, k, g, beta, *, config: KernelConfig):
     qk_spec = token_block(rows, key_dim, config.group)
     table, table_spec = mask_table_inputs("key", c)
     out_spec = pl.BlockSpec((None, None, rows, c), head_index)
-    tinv_shape = jax.ShapeDtypeStruct((batch, heads, padded_len, c), jnp.float32)
+    tinv_shape = jax.ShapeDtypeStruct((batch, heads, padded_len, c), config.store_dtype)
     aqk_shape = jax.ShapeDtypeStruct((batch, heads, padded_len, c), config.store_dtype)
     with jax.named_scope("kda_intra"):
         return pl.pallas_call(

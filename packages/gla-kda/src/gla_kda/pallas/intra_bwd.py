@@ -134,7 +134,7 @@ def chunk_products(q, k, v, local_cumsum, beta, tinv, state, dstate, ddelta, do,
     """`ChunkProducts` of one chunk.
 
     q (scaled), k [C, K]; v, ddelta, do [C, V]; local_cumsum the (hi, lo) sub-block-local decay
-    cumsum [C, K]; beta [C, 1]; tinv [C, C]; state, dstate [K, V]; all float32.
+    cumsum [C, K]; beta [C, 1]; tinv [C, C] (`config.store_dtype`); state, dstate [K, V]; the others float32.
     """
     sb = cm.SubBlocks(config.blocks.chunk_size, config.blocks.sub_chunk)
     dtype, c = config.mxu_dtype, sb.chunk

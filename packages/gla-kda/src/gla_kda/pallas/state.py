@@ -165,7 +165,7 @@ def launch_state(
     Args:
       k: [B, Tp, H*K]; v: [B, Tp, HV*V] (input dtype, token-major, `layout.to_tokens`; K and V
       multiples of 128); g: [B, Tp, HV*K] float32 raw per-step log decays;
-      beta: [B, HV, NT, 1, C] float32; tinv: [B, HV, Tp, C] float32;
+      beta: [B, HV, NT, 1, C] float32; tinv: [B, HV, Tp, C] (`launch_intra`);
       h0: [N, HV, K, V] float32 or None; meta: `ChunkMeta` (first, last, seq int32 [NT]).
       states_per_row: N / B (1, or the number of packed sequences of the one varlen row).
       varlen: sequences may start and end at any chunk (`PipelineConfig.varlen`): their states
