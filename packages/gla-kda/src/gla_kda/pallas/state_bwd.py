@@ -69,9 +69,9 @@ def state_bwd_kernel(
     head_refs = [refs[3 + 5 * i : 8 + 5 * i] for i in range(heads)]  # g, g_lo, beta, tinv, aqk
     rest = refs[3 + 5 * heads :]
     dht_ref = rest.pop(0) if options.has_final_cotangent else None
-    dstate_ref, ddelta_ref = rest[:2]
-    dh0_ref = rest[2] if options.emit_initial_grad else None
-    grad_ref = rest[3] if options.emit_initial_grad else rest[2]
+    dstate_ref, ddelta_ref = rest.pop(0), rest.pop(0)
+    dh0_ref = rest.pop(0) if options.emit_initial_grad else None
+    grad_ref = rest.pop(0)
     per_step = head_refs[0][2].shape[0]
     c, key_dim, value_dim = config.blocks.chunk_size, grad_ref.shape[1], grad_ref.shape[2]
     sb = cm.SubBlocks(c, config.blocks.sub_chunk)
@@ -80,7 +80,8 @@ def state_bwd_kernel(
     last_chunk = first_chunk + per_step - 1
     sequences = None
     if packed:  # walking backwards, a sequence starts at its last chunk and ends at its first
-        sequences = SequenceStates(last_ref, first_ref, seq_ref, dht_ref, dh0_ref, rest[-1], states_per_row)
+        (slot_ref,) = rest
+        sequences = SequenceStates(last_ref, first_ref, seq_ref, dht_ref, dh0_ref, slot_ref, states_per_row)
 
     # Packed sequences restart chunk by chunk (`SequenceStates.restart`) from a zero row end.
     starts_row = (t == 0) if packed else (t == 0) | (last_ref[last_chunk] == 1)
