@@ -98,3 +98,33 @@ def test_anchor_block_is_the_signed_segment_sum_to_the_anchor_row():
     b = np.cumsum(a, axis=0)
     m = KeyMaskTable(CHUNK).anchor_row
     np.testing.assert_allclose(anchor @ a, b - b[m], rtol=0, atol=1e-12)
+
+
+def test_scores_only_forms_the_same_anchored_factors(interpret):
+    """`scores_only` forms D alone (a third of the segment-sum matmul): the same anchored factors and
+    range check as the full decays, and the decays it does not form raise."""
+    a = _gates(0.5)
+    full = _decays(a, anchor_range=default_anchor_range(jnp.float32), interpret=interpret)
+    names = ("row_factor", "column_factor", "in_range")
+
+    def kernel(a_ref, table_ref, *out_refs):
+        decays = StepDecays(a_ref[...], table_ref, CHUNK, default_anchor_range(jnp.float32), scores_only=True)
+        for name, ref in zip(names, out_refs, strict=True):
+            value = getattr(decays, name)
+            ref[...] = jnp.full((1, 1), jnp.where(value, 1.0, 0.0)) if name == "in_range" else value
+        with pytest.raises(ValueError, match="scores_only"):
+            _ = decays.from_start
+
+    shapes = {"in_range": (1, 1), "row_factor": (CHUNKS, CHUNK, KEYS), "column_factor": (CHUNKS, CHUNK, KEYS)}
+    outs = pl.pallas_call(
+        kernel,
+        out_shape=[jax.ShapeDtypeStruct(shapes[n], jnp.float32) for n in names],
+        interpret=interpret_params(interpret),
+    )(jnp.asarray(a, jnp.float32), KeyMaskTable(CHUNK).build())
+    for name, got in zip(names, outs, strict=True):
+        np.testing.assert_array_equal(np.asarray(got, np.float64), full[name], err_msg=name)
+
+
+def test_scores_only_needs_an_anchor_range():
+    with pytest.raises(ValueError, match="scores_only"):
+        StepDecays(jnp.zeros((CHUNK, KEYS)), None, CHUNK, None, scores_only=True)

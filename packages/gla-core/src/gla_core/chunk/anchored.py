@@ -81,27 +81,47 @@ class StepDecays:
       anchor_range: r, the largest |D| of the anchored products (> 0), or None for a kernel that
         takes no gated products (then only the decays from the start, to the end and over the
         chunk are formed).
+      scores_only: the kernel takes the gated products and nothing else (needs an anchor range):
+        only the anchored exponents D are formed, a third of the segment-sum matmul, and the
+        decays from the start or to the end raise.
 
     Quantities are computed when first used, so a kernel traces only what it needs.
     """
 
-    def __init__(self, a: jax.Array, table_ref, chunk: int, anchor_range: float | None = None):
+    def __init__(
+        self, a: jax.Array, table_ref, chunk: int, anchor_range: float | None = None, *, scores_only: bool = False
+    ):
         if anchor_range is not None and anchor_range <= 0:
             raise ValueError(f"anchor_range: expected a positive range, got {anchor_range}")
+        if scores_only and anchor_range is None:
+            raise InvalidArgumentError("scores_only: the anchored products need an anchor_range, got None")
         self.chunk = chunk
         self.num_chunks = a.shape[0] // chunk
         self.anchor_range = anchor_range
         parts = split_for_mask_dot(a).reshape(self.num_chunks, chunk, 3 * a.shape[1])
         first = KeyMaskTable.ANCHOR if anchor_range is not None else KeyMaskTable.THROUGH
-        count = KeyMaskTable.AFTER + 1 - first
+        count = 1 if scores_only else KeyMaskTable.AFTER + 1 - first
         sums = mask_dot(table_ref[pl.ds(first * chunk, count * chunk), :], parts)  # [n, count*C, K]
-        blocks = {
+        self._blocks = {
             block: sums[:, (block - first) * chunk : (block - first + 1) * chunk]
             for block in range(first, first + count)
         }
-        self._anchored = blocks.get(KeyMaskTable.ANCHOR)  # D_t = b_t - b_m
-        self._through = blocks[KeyMaskTable.THROUGH]  # b_t
-        self._after = blocks[KeyMaskTable.AFTER]  # b_L - b_t
+        self._anchored = self._blocks.get(KeyMaskTable.ANCHOR)  # D_t = b_t - b_m
+
+    def _block(self, block: int, name: str) -> jax.Array:
+        if block not in self._blocks:
+            raise InvalidArgumentError(f"StepDecays: {name} is not formed for a kernel built with scores_only=True")
+        return self._blocks[block]
+
+    @property
+    def _through(self) -> jax.Array:
+        """b_t, [n, C, K]."""
+        return self._block(KeyMaskTable.THROUGH, "the decay from the start")
+
+    @property
+    def _after(self) -> jax.Array:
+        """b_L - b_t, [n, C, K]."""
+        return self._block(KeyMaskTable.AFTER, "the decay to the end")
 
     @functools.cached_property
     def from_start(self) -> jax.Array:

@@ -57,12 +57,18 @@ def dot_bf16x3(a, b, *, trans_a: bool = False, trans_b: bool = False):
     bfloat16-input path needs of a float32 intermediate, at half the matrix-unit passes of
     Precision.HIGHEST. Three products rather than one of the parts side by side: the chunk's
     [C, C] operands (C = 64) would be joined at lane offsets that are not multiples of 128.
+    Without `trans_a`, hi*hi and lo*hi are one product of a's parts stacked along rows, so b_hi
+    is loaded into the matrix unit once (the same sums, row by row).
     """
     bf16 = jnp.bfloat16
     a_hi, b_hi = a.astype(bf16), b.astype(bf16)
     a_lo, b_lo = (a - a_hi.astype(F32)).astype(bf16), (b - b_hi.astype(F32)).astype(bf16)
     product = functools.partial(dot, dtype=bf16, trans_a=trans_a, trans_b=trans_b)
-    return (product(a_hi, b_hi) + product(a_lo, b_hi)) + product(a_hi, b_lo)
+    if trans_a:
+        return (product(a_hi, b_hi) + product(a_lo, b_hi)) + product(a_hi, b_lo)
+    rows = a.shape[0]
+    by_b_hi = product(jnp.concatenate([a_hi, a_lo], axis=0), b_hi)
+    return (by_b_hi[:rows] + by_b_hi[rows:]) + product(a_hi, b_lo)
 
 
 def f32_dot(dtype):
@@ -432,8 +438,10 @@ def unit_lower_inverses(mats, sb: SubBlocks, unroll: bool, dtype=F32):
     lower-left w x w quadrant of every 2w block,
       D <- D - D (A_w D)
     is the inverse on the 2w blocks ([[D1, 0], [-D2 A21 D1, D2]]), two float32 products per
-    level (`f32_dot` of inputs of `dtype`), ceil(log2(C / s)) levels. Each stage runs over
-    every matrix before the next one starts, so the matrices' dependency chains interleave.
+    level (`f32_dot` of inputs of `dtype`), ceil(log2(C / s)) levels. Only the lower halves of
+    the 2w blocks change, so both products take those C / 2 rows alone (`_lower_halves`).
+    Each stage runs over every matrix before the next one starts, so the matrices' dependency
+    chains interleave.
     """
     c, s = sb.chunk, sb.sub
     mm = f32_dot(dtype)
@@ -452,15 +460,58 @@ def unit_lower_inverses(mats, sb: SubBlocks, unroll: bool, dtype=F32):
     width = s
     while width < c:
         same_pair = _block_of(row, 2 * width) == _block_of(col, 2 * width)
-        quadrant = same_pair & (_block_of(row, width) != _block_of(col, width))
-        coupled = [mm(jnp.where(quadrant, a, 0.0), d) for a, d in zip(mats, inverses, strict=True)]
-        inverses = [d - mm(d, x) for d, x in zip(inverses, coupled, strict=True)]
+        quadrant = _lower_halves(same_pair & (_block_of(row, width) != _block_of(col, width)), width)
+        # X = A_w D on the lower halves' rows (the only rows where A_w is not zero), [about C/2, C].
+        coupled = [
+            mm(jnp.where(quadrant, _lower_halves(a, width), 0.0), d) for a, d in zip(mats, inverses, strict=True)
+        ]
+        joined = []
+        for d, x in zip(inverses, coupled, strict=True):
+            lower = _lower_halves(d, width)
+            upper = _upper_halves(d, width)
+            lower = lower - mm(lower, _join_halves(jnp.zeros_like(upper), x, width))  # -D2 (A21 D1) beside D2
+            joined.append(_join_halves(upper, lower, width))
+        inverses = joined
         width *= 2
     return inverses
 
 
+def _halves(rows: int, width: int):
+    """(upper, lower) row ranges of every 2*width-row block of `rows` rows (the last block may be
+    short: its lower half partly or wholly past the end)."""
+    return [
+        ((start, min(start + width, rows)), (min(start + width, rows), min(start + 2 * width, rows)))
+        for start in range(0, rows, 2 * width)
+    ]
+
+
+def _stack_rows(x, ranges):
+    return jnp.concatenate([x[first:last] for first, last in ranges if last > first], axis=0)
+
+
+def _upper_halves(x, width: int):
+    """x [R, N]: the first `width` rows of every 2*width-row block, stacked (aligned slices)."""
+    return _stack_rows(x, [upper for upper, _ in _halves(x.shape[0], width)])
+
+
+def _lower_halves(x, width: int):
+    """x [R, N]: the last `width` rows of every 2*width-row block, stacked."""
+    return _stack_rows(x, [lower for _, lower in _halves(x.shape[0], width)])
+
+
+def _join_halves(upper, lower, width: int):
+    """The inverse of (`_upper_halves`, `_lower_halves`): [R, N] from their stacked rows."""
+    slabs, used = [], [0, 0]
+    for ranges in _halves(upper.shape[0] + lower.shape[0], width):
+        for side, (part, (first, last)) in enumerate(zip((upper, lower), ranges, strict=True)):
+            if last > first:
+                slabs.append(part[used[side] : used[side] + last - first])
+                used[side] += last - first
+    return jnp.concatenate(slabs, axis=0)
+
+
 def unit_lower_inverse_flops(c: int, s: int) -> int:
     """Flops of `unit_lower_inverses` for one [C, C] matrix: the elimination of the s x s diagonal
-    blocks and two [C, C] products per level of joined blocks."""
+    blocks and two [C/2, C] x [C, C] products per level of joined blocks."""
     levels = (c // s - 1).bit_length()
-    return 2 * c * c * s + levels * 2 * (2 * c * c * c)
+    return 2 * c * c * s + levels * 2 * (2 * (c // 2) * c * c)

@@ -63,7 +63,7 @@ def intra_kernel(q_ref, k_ref, g_ref, beta_ref, table_ref, tinv_ref, aqk_ref, *,
     if config.anchor is None:
         exact()
         return
-    decays = StepDecays(a, table_ref, c, config.anchor)
+    decays = StepDecays(a, table_ref, c, config.anchor, scores_only=True)
     write(AnchoredProducts(decays, dtype))
     pl.when(jnp.logical_not(decays.in_range))(exact)
 
