@@ -96,9 +96,11 @@ def gated_grads(pairs, col_op, decays: Decays, dtype, unroll: bool, anchor_range
         decay_rows = jnp.exp(decays.within_block(r))
         after = jnp.zeros((sb.sub, k), F32)
         column_terms = jnp.zeros((n, k), F32)
-        for index, (w, a) in enumerate(pairs):
-            before = sb.rows(w, r)[:, :n]  # [s, n]
-            row_grad = decay_rows * dot(before, b_anchored, dtype)
+        befores = [sb.rows(w, r)[:, :n] for w, _ in pairs]  # [s, n] each
+        # Every product's rows against the shared column operand: one product, [P*s, n] x [n, K].
+        by_column = dot(jnp.concatenate(befores, axis=0), b_anchored, dtype)
+        for index, ((_, a), before) in enumerate(zip(pairs, befores, strict=True)):
+            row_grad = decay_rows * by_column[index * sb.sub : (index + 1) * sb.sub]
             rows_off[index].append(row_grad)
             after = after + sb.rows(a, r) * row_grad
             # sum_{i in block r} W_ij a_i exp(G_i - G_n) for the columns j < n, [n, K].
@@ -155,11 +157,13 @@ def _diagonal_anchored(pairs, col_op, decays: Decays, exponents, dtype) -> _Diag
     b_down = rounded(col_op * down)
     rows, cols = [], []
     after_block = jnp.zeros(col_op.shape, F32)
-    for w, a in pairs:
+    w_stricts = [jnp.where(strict, w, 0.0) for w, _ in pairs]
+    # sum_{j < i} W_ij b_j exp(-D_j) of every product: one product against the shared b_down.
+    all_row_sums = dot(jnp.concatenate(w_stricts, axis=0), b_down, dtype)
+    for index, ((w, a), w_strict) in enumerate(zip(pairs, w_stricts, strict=True)):
         a_up = rounded(a * up)
-        w_strict = jnp.where(strict, w, 0.0)
         w_diagonal = jnp.sum(jnp.where(col == row, w, 0.0), axis=1, keepdims=True)  # W_ii, exponent 0
-        row_sums = dot(w_strict, b_down, dtype)  # sum_{j < i} W_ij b_j exp(-D_j)
+        row_sums = all_row_sums[index * c : (index + 1) * c]
         col_sums = dot(w_strict, a_up, dtype, trans_a=True)  # sum_{i > j} W_ij a_i exp(D_i)
         rows.append(up * row_sums + w_diagonal * col_op)
         cols.append(down * col_sums + w_diagonal * a)

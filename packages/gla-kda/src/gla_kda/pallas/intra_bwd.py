@@ -144,6 +144,9 @@ def chunk_products(q, k, v, local_cumsum, beta, tinv, state, dstate, ddelta, do,
     y = beta * projected
     delta = cm.dot(tinv, y, dtype)
     dy = cm.dot(tinv, ddelta, dtype, trans_a=True)
+    # dO and dy against the state and delta: one product, [2C, V] x [K + C, V]^T.
+    key_dim = state.shape[0]
+    against = cm.dot(jnp.concatenate([do, dy], axis=0), jnp.concatenate([state, delta], axis=0), dtype, trans_b=True)
     return ChunkProducts(
         q=q,
         k=k,
@@ -155,11 +158,11 @@ def chunk_products(q, k, v, local_cumsum, beta, tinv, state, dstate, ddelta, do,
         to_end=jnp.exp(decays.to_end),
         projected=projected,
         dy=dy,
-        d_q_decayed=cm.dot(do, state, dtype, trans_b=True),
-        d_k_decayed=-beta * cm.dot(dy, state, dtype, trans_b=True),
+        d_q_decayed=against[:c, :key_dim],
+        d_k_decayed=-beta * against[c:, :key_dim],
         d_k_to_end=cm.dot(delta, dstate, dtype, trans_b=True),
-        d_akk=jnp.where(cm.lower_mask(c, strict=True), -cm.dot(dy, delta, dtype, trans_b=True), 0.0),
-        d_aqk=jnp.where(cm.lower_mask(c, strict=False), cm.dot(do, delta, dtype, trans_b=True), 0.0),
+        d_akk=jnp.where(cm.lower_mask(c, strict=True), -against[c:, key_dim:], 0.0),
+        d_aqk=jnp.where(cm.lower_mask(c, strict=False), against[:c, key_dim:], 0.0),
     )
 
 
