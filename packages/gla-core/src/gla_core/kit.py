@@ -14,7 +14,7 @@ Validation building blocks (for an op's validator)
   check_cu_seqlens, resolve_scale, validate_qkv, validate_common, attention_call, is_concrete,
   validate (runs an op's validation as dispatch does: for tests of a validator)
 TPU helpers
-  NUM_LANES, NUM_SUBLANES, round_up, pad_axis, interpret_params, unsupported_dtype_reason,
+  NUM_LANES, NUM_SUBLANES, round_up, pad_axis, interpret_params, unsupported_dtype_reason, any_nonfinite,
   detect_races
 JAX transformations through Pallas implementations
   fold_vmap, first_order_only
@@ -97,6 +97,7 @@ from gla_core.token_major import HeadRows, heads_per_group, merge_heads, split_h
 from gla_core.tpu import (
     NUM_LANES,
     NUM_SUBLANES,
+    any_nonfinite,
     detect_races,
     interpret_params,
     pad_axis,
@@ -177,6 +178,7 @@ __all__ = [
     "Option",
     "ScalarGate",
     "StepDecays",
+    "any_nonfinite",
     "attention_call",
     "attention_spec",
     "block_sizes_of",

@@ -112,6 +112,16 @@ def pad_axis(x, axis: int, size: int):
     return jnp.pad(x, widths)
 
 
+def any_nonfinite(x, axis: int = -1, keepdims: bool = False):
+    """Whether `x` holds a NaN or +-inf along `axis` (bool), for the XLA code around the kernels.
+
+    A maximum of float32 flags rather than `jnp.any(~jnp.isfinite(x))`: on TPU, XLA reduces booleans
+    over the minor axis through transposes. libtpu's v6e estimate for [1, 4096, 4, 128] bfloat16:
+    134,241 cycles for `jnp.any`, 15,320 for this form; the same answer.
+    """
+    return jnp.max(jnp.where(jnp.isfinite(x), 0.0, 1.0), axis=axis, keepdims=keepdims) > 0
+
+
 def unsupported_dtype_reason(dtype: str) -> str | None:
     """Why a Pallas TPU implementation declines inputs of dtype name `dtype`, or None if it takes them."""
     if dtype == "float64":

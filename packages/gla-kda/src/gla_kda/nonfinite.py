@@ -28,6 +28,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from gla_core.kit import any_nonfinite
 from gla_kda.inputs import expand_value_heads
 
 _NO_STEP = jnp.iinfo(jnp.int32).max
@@ -43,10 +44,6 @@ def zero_nonfinite(x):
 def _zero_nonfinite_jvp(primals, tangents):
     (x,), (tangent,) = primals, tangents
     return zero_nonfinite(x), tangent
-
-
-def _any_nonfinite(x, axis=-1):
-    return jnp.any(~jnp.isfinite(x), axis=axis)
 
 
 @jax.tree_util.register_dataclass
@@ -75,7 +72,7 @@ class NonFiniteGuard:
         _, seq_len, heads, _ = v.shape
         steps = jnp.arange(seq_len, dtype=jnp.int32)[None, :, None, None]  # [1, T, 1, 1]
         whole_state = (
-            expand_value_heads(_any_nonfinite(k)[..., None], heads)[..., 0] | _any_nonfinite(g) | ~jnp.isfinite(beta)
+            expand_value_heads(any_nonfinite(k)[..., None], heads)[..., 0] | any_nonfinite(g) | ~jnp.isfinite(beta)
         )  # [B, T, HV]
         reaches_state = whole_state[..., None] | ~jnp.isfinite(v)  # [B, T, HV, V]
         first = jnp.where(reaches_state, steps, _NO_STEP)
@@ -93,9 +90,9 @@ class NonFiniteGuard:
         if initial_state is None:
             bad_initial = jnp.zeros(first_bad.shape, bool)
         else:
-            bad_initial = _any_nonfinite(initial_state, axis=2)  # [N, HV, V]
+            bad_initial = any_nonfinite(initial_state, axis=2)  # [N, HV, V]
         state = (steps >= per_step(first_bad)) | per_step(bad_initial)  # [B, T, HV, V]
-        bad_query = expand_value_heads(_any_nonfinite(q)[..., None], heads)  # [B, T, HV, 1]
+        bad_query = expand_value_heads(any_nonfinite(q)[..., None], heads)  # [B, T, HV, 1]
         guard = cls(output=state | bad_query, final=(bad_initial | (first_bad < _NO_STEP))[:, :, None, :])
         clean = (q, k, v, g, beta, initial_state)
         return guard, tuple(None if x is None else zero_nonfinite(x) for x in clean)

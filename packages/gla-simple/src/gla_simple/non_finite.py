@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from gla_core.kit import any_nonfinite
 from gla_simple.layout import Segments
 
 
@@ -43,7 +44,7 @@ class NonFinite:
     @classmethod
     def find(cls, v: jax.Array, g: jax.Array) -> NonFinite:
         """From v [Bp, NT, C, H, V] and the clamped gates g [Bp, NT, C, H, 1|K]."""
-        bad_gate = jnp.any(~jnp.isfinite(g), axis=-1, keepdims=True)
+        bad_gate = any_nonfinite(g, axis=-1, keepdims=True)
         return cls(~jnp.isfinite(v) | bad_gate)
 
     @staticmethod
