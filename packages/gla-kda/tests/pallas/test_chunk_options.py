@@ -27,13 +27,13 @@ V6E_ROW = {
     "kernel_chunk": 128,
     "anchor_range": None,
     "chunks_per_step": 8,
-    "grad_chunks_per_step": 2,
+    "grad_chunks_per_step": 4,
     "state_heads_per_step": 4,
     "state_grad_heads_per_step": 2,
 }
 # v5e's own row: half the chunks per grid step, so kda_state fits v5e's 16 MiB of scoped VMEM
-# (`test_chunk_tpu_compile.py`).
-V5E_ROW = {**V6E_ROW, "chunks_per_step": 4}
+# (`test_chunk_tpu_compile.py`), and half the gradient kernel's.
+V5E_ROW = {**V6E_ROW, "chunks_per_step": 4, "grad_chunks_per_step": 2}
 
 
 def _kwargs() -> dict:
