@@ -48,6 +48,15 @@ def dot(a, b, dtype, *, trans_a: bool = False, trans_b: bool = False):
     )
 
 
+def dot_rows(lefts, b, dtype, *, trans_b: bool = False):
+    """`dot(a, b)` for every a of `lefts` (each [R, N]) as one product of their rows stacked, so the
+    shared right operand b is loaded into the matrix unit once; returns the list of [R, M] results
+    (the same sums, row by row)."""
+    rows = lefts[0].shape[0]
+    stacked = dot(jnp.concatenate(lefts, axis=0), b, dtype, trans_b=trans_b)
+    return [stacked[i * rows : (i + 1) * rows] for i in range(len(lefts))]
+
+
 def dot_bf16x3(a, b, *, trans_a: bool = False, trans_b: bool = False):
     """`dot` of float32 a, b with float32 results from three bfloat16 products.
 
@@ -57,8 +66,7 @@ def dot_bf16x3(a, b, *, trans_a: bool = False, trans_b: bool = False):
     bfloat16-input path needs of a float32 intermediate, at half the matrix-unit passes of
     Precision.HIGHEST. Three products rather than one of the parts side by side: the chunk's
     [C, C] operands (C = 64) would be joined at lane offsets that are not multiples of 128.
-    Without `trans_a`, hi*hi and lo*hi are one product of a's parts stacked along rows, so b_hi
-    is loaded into the matrix unit once (the same sums, row by row).
+    Without `trans_a`, hi*hi and lo*hi are one product (`dot_rows`), so b_hi is loaded once.
     """
     bf16 = jnp.bfloat16
     a_hi, b_hi = a.astype(bf16), b.astype(bf16)
@@ -66,9 +74,8 @@ def dot_bf16x3(a, b, *, trans_a: bool = False, trans_b: bool = False):
     product = functools.partial(dot, dtype=bf16, trans_a=trans_a, trans_b=trans_b)
     if trans_a:
         return (product(a_hi, b_hi) + product(a_lo, b_hi)) + product(a_hi, b_lo)
-    rows = a.shape[0]
-    by_b_hi = product(jnp.concatenate([a_hi, a_lo], axis=0), b_hi)
-    return (by_b_hi[:rows] + by_b_hi[rows:]) + product(a_hi, b_lo)
+    hi_hi, lo_hi = dot_rows([a_hi, a_lo], b_hi, bf16, trans_b=trans_b)
+    return (hi_hi + lo_hi) + product(a_hi, b_lo)
 
 
 def f32_dot(dtype):

@@ -28,7 +28,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from gla_kda.pallas.chunk_math import F32, Decays, dot, iota, position_loop
+from gla_kda.pallas.chunk_math import F32, Decays, dot, dot_rows, iota, position_loop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,10 +97,9 @@ def gated_grads(pairs, col_op, decays: Decays, dtype, unroll: bool, anchor_range
         after = jnp.zeros((sb.sub, k), F32)
         column_terms = jnp.zeros((n, k), F32)
         befores = [sb.rows(w, r)[:, :n] for w, _ in pairs]  # [s, n] each
-        # Every product's rows against the shared column operand: one product, [P*s, n] x [n, K].
-        by_column = dot(jnp.concatenate(befores, axis=0), b_anchored, dtype)
-        for index, ((_, a), before) in enumerate(zip(pairs, befores, strict=True)):
-            row_grad = decay_rows * by_column[index * sb.sub : (index + 1) * sb.sub]
+        by_column = dot_rows(befores, b_anchored, dtype)  # against the shared column operand
+        for index, ((_, a), before, product) in enumerate(zip(pairs, befores, by_column, strict=True)):
+            row_grad = decay_rows * product
             rows_off[index].append(row_grad)
             after = after + sb.rows(a, r) * row_grad
             # sum_{i in block r} W_ij a_i exp(G_i - G_n) for the columns j < n, [n, K].
@@ -158,12 +157,10 @@ def _diagonal_anchored(pairs, col_op, decays: Decays, exponents, dtype) -> _Diag
     rows, cols = [], []
     after_block = jnp.zeros(col_op.shape, F32)
     w_stricts = [jnp.where(strict, w, 0.0) for w, _ in pairs]
-    # sum_{j < i} W_ij b_j exp(-D_j) of every product: one product against the shared b_down.
-    all_row_sums = dot(jnp.concatenate(w_stricts, axis=0), b_down, dtype)
-    for index, ((w, a), w_strict) in enumerate(zip(pairs, w_stricts, strict=True)):
+    all_row_sums = dot_rows(w_stricts, b_down, dtype)  # sum_{j < i} W_ij b_j exp(-D_j) of every product
+    for (w, a), w_strict, row_sums in zip(pairs, w_stricts, all_row_sums, strict=True):
         a_up = rounded(a * up)
         w_diagonal = jnp.sum(jnp.where(col == row, w, 0.0), axis=1, keepdims=True)  # W_ii, exponent 0
-        row_sums = all_row_sums[index * c : (index + 1) * c]
         col_sums = dot(w_strict, a_up, dtype, trans_a=True)  # sum_{i > j} W_ij a_i exp(D_i)
         rows.append(up * row_sums + w_diagonal * col_op)
         cols.append(down * col_sums + w_diagonal * a)
