@@ -30,7 +30,8 @@ The shared Pallas chunk kernels (simple_gla / gla) and their pieces
   BLOCK_SIZE_OPTIONS (those and the token-major step sizes), block_sizes_of, ANCHOR_RANGE_OPTION
   (the anchored fast path), KERNEL_CHUNK_OPTION and kernel_chunk_of (the kernels' chunk)
 The per-key gated intra-chunk products (also kda's)
-  StepDecays, default_anchor_range, AnchoredProducts, LevelProducts, mask_table_inputs
+  StepDecays, default_anchor_range, AnchoredProducts, BlockedProducts, LevelProducts,
+  recompute_products (a step out of the anchor range), mask_table_inputs
 Kernels on the op's own token-major layout (no transposed copies)
   merge_heads, split_heads (the free [B, T*H, D] view), HeadRows, heads_per_group (per-head rows of a block),
   chunk_cumsum, two_sum, floor_cumsum_gates, CUMSUM_GATE_FLOOR (compensated in-kernel cumulative log decays)
@@ -76,7 +77,7 @@ from gla_core.chunk.empty import empty_attention, has_no_tokens
 from gla_core.chunk.fwd_h import chunk_fwd_h
 from gla_core.chunk.gates import GATE_FLOOR, ChunkMasks, ScalarGate, floor_gates, intra_costs, mask_table_inputs
 from gla_core.chunk.pipeline import ChunkConfig, KernelInputs, define_chunk_vjp, kernel_inputs, op_gradients
-from gla_core.chunk.products import AnchoredProducts, LevelProducts
+from gla_core.chunk.products import AnchoredProducts, BlockedProducts, LevelProducts, recompute_products
 from gla_core.dispatch import dispatch_by_name
 from gla_core.hookspecs import hookimpl
 from gla_core.ops import (
@@ -163,6 +164,7 @@ __all__ = [
     "TN",
     "AnchoredProducts",
     "BlockSizes",
+    "BlockedProducts",
     "Call",
     "ChunkConfig",
     "ChunkLayout",
@@ -229,6 +231,7 @@ __all__ = [
     "pad_axis",
     "positive_int",
     "prepare",
+    "recompute_products",
     "require_bool",
     "require_float",
     "require_rank",

@@ -31,6 +31,7 @@ from gla_core.chunk.bwd_dqkg import chunk_bwd_dqkg
 from gla_core.chunk.bwd_dv import chunk_bwd_dv
 from gla_core.chunk.fwd import chunk_fwd
 from gla_core.chunk.fwd_h import chunk_fwd_h
+from gla_core.chunk.gates import KeyMaskTable
 from gla_core.chunk.pipeline import ChunkConfig, kernel_inputs
 from gla_ref import recurrent
 from gla_ref.testing import TOLERANCES, assert_close, cotangents, make_case, oracle
@@ -212,13 +213,15 @@ def _specs_and_gate(problem: Problem, specs, chunks_per_step: str):
 
 
 # The per-key gate's gated products: exact everywhere (0), anchored everywhere (a range above every
-# chunk's largest |b_t - b_m|), or anchored in some steps and recomputed exactly in the others.
-ANCHORING = ("exact", "anchored", "mixed")
+# chunk's largest |b_t - b_m|), anchored in some steps and recomputed in the others, or recomputed
+# with the blocked products (`products.BlockedProducts`) wherever the chunk-wide anchor is out of range.
+ANCHORING = ("exact", "anchored", "mixed", "blocked")
 
 
-def _anchored_ranges(problem: Problem) -> np.ndarray:
-    """max |b_t - b_m| of every chunk (all rows, heads, keys), float64 [NT]: what the anchored
-    products of `gla_core.chunk.anchored` must accept."""
+def _anchored_ranges(problem: Problem, block: int = CHUNK) -> np.ndarray:
+    """max |b_t - b_m(t)| of every chunk (all rows, heads, keys; m(t) the middle row of t's block of
+    `block` steps), float64 [NT]: what the anchored products of `gla_core.chunk.anchored` (block C) or
+    the blocked products (block `KeyMaskTable.sub_block`) must accept."""
     inputs = problem.case.inputs
     if "gk" in inputs:
         a = np.asarray(inputs["gk"], np.float64)
@@ -227,8 +230,9 @@ def _anchored_ranges(problem: Problem) -> np.ndarray:
     b, t, h, k = a.shape
     padded = problem.config.geometry.num_chunks * CHUNK
     cum = np.cumsum(np.pad(a, [(0, 0), (0, padded - t), (0, 0), (0, 0)]).reshape(b, -1, CHUNK, h, k), axis=2)
-    anchor = cum[:, :, CHUNK // 2 - 1 : CHUNK // 2]
-    return np.max(np.abs(cum - anchor), axis=(0, 2, 3, 4))
+    blocks = cum.reshape(b, cum.shape[1], CHUNK // block, block, h, k)
+    anchor = blocks[:, :, :, block // 2 - 1 : block // 2]
+    return np.max(np.abs(blocks - anchor), axis=(0, 2, 3, 4, 5))
 
 
 def _anchor_range(problem: Problem, anchoring: str) -> float:
@@ -237,6 +241,10 @@ def _anchor_range(problem: Problem, anchoring: str) -> float:
     ranges = _anchored_ranges(problem)
     if anchoring == "anchored":
         return float(np.max(ranges)) + 1.0
+    if anchoring == "blocked":
+        within_sub_blocks = float(np.max(_anchored_ranges(problem, KeyMaskTable(CHUNK).sub_block))) + 1e-3
+        assert np.max(ranges) > within_sub_blocks, "the problem needs a chunk out of the blocked products' range"
+        return within_sub_blocks
     low, high = float(np.min(ranges)), float(np.max(ranges))
     assert high > low + 1e-3, "the problem's chunks need different ranges for a mixed case"
     return (low + high) / 2

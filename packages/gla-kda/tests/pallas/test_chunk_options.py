@@ -4,11 +4,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import gla_core
+from gla_core.chunk.gates import KeyMaskTable
 from gla_core.errors import InvalidArgumentError, UnknownArgumentError
+from gla_core.kit import default_anchor_range
 from gla_kda import chunk
 from gla_kda.pallas.config import BlockSizes
 from gla_ref.testing import check_against_oracle, make_case
@@ -171,3 +176,34 @@ def test_kernel_chunk_128_matches_oracle(name, interpret, monkeypatch):
     assert {"o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"} <= set(errors)
     expected = BlockSizes(chunk_size=128, sub_chunk=16, **_counts(options))
     assert blocks and set(blocks) == {expected}, blocks
+
+
+# Per-step decays (drawn -U(low, high)) too strong for a chunk of 128 anchored at its middle row, within
+# the anchor range for 16-step sub-blocks: every step of kda_intra takes gla-core's blocked products.
+BLOCKED_DECAYS = {"float32": (0.3, 0.7), "bfloat16": (1.0, 3.0)}
+
+
+def _largest_anchored_exponent(g: np.ndarray, block: int) -> float:
+    """max |b_t - b_m(t)| over blocks of `block` steps of g [B, T, H, K] (m(t) the block's middle row)."""
+    b, t, h, k = g.shape
+    sums = np.cumsum(g.reshape(b, t // block, block, h, k), axis=2)
+    middle = block // 2 - 1
+    return float(np.max(np.abs(sums - sums[:, :, middle : middle + 1])))
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decays_too_strong_for_the_chunk_anchor_take_the_blocked_products(dtype, interpret):
+    case = make_case(
+        "kda", seq_len=256, chunk_size=32, dtype=jnp.dtype(dtype), initial_state=True, output_final_state=True
+    )
+    low, high = BLOCKED_DECAYS[dtype]
+    g = -np.random.default_rng(0).uniform(low, high, case.inputs["g"].shape).astype(np.float32)
+    case = dataclasses.replace(case, inputs={**case.inputs, "g": jnp.asarray(g)}, label=case.label + " blocked decays")
+    anchor_range = default_anchor_range(jnp.dtype(dtype))
+    assert _largest_anchored_exponent(g, 128) > anchor_range >= _largest_anchored_exponent(g, KeyMaskTable.SUB_BLOCK)
+    fn = lambda **kwargs: gla_core.dispatch(
+        "kda", impl=IMPL, interpret=interpret, impl_options={IMPL: V6E_ROW}, **kwargs
+    )
+    errors = check_against_oracle(fn, case)
+    assert {"o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"} <= set(errors)

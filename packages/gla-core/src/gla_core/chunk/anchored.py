@@ -18,7 +18,9 @@ so the intra-chunk scores `sum_k x_tk y_sk e^{b_tk - b_sk}` are one `[C, K] x [K
 they are used only when every |D| of the step is at most the call's anchor range `r`
 (`StepDecays.in_range`, False for NaN); the exponents are clipped to [-r, r] before `exp`, so
 nothing overflows whatever the gates. Steps out of range (strong decays, hard resets, non-finite
-gates) are recomputed by the kernels with the exact level products (`products.LevelProducts`).
+gates) are recomputed by the kernels with the blocked products (anchored per sub-block of 16
+steps, exact between them: `products.BlockedProducts`), or, where even a sub-block is out of
+range, the exact level products (`products.LevelProducts`).
 
 Accuracy inside the range: each exponent D carries an absolute float32 rounding of ~|D| 2^-24,
 so a product's relative error is ~2 r 2^-24 (r = 8: 1e-6) on top of the operands' rounding to the

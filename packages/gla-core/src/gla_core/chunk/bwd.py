@@ -15,8 +15,9 @@ inside a grid step: `packed`).
 
 A grid step takes its n chunks together (`step_math`): the state-gradient chain is elementwise,
 dv is exact, and dq, dk and the gate gradient take the anchored products; a step out of the
-anchor range recomputes those three with the exact level products (`products.LevelProducts`;
-every step when the anchor range is 0). The grid is (B, H, 1, NT / n),
+anchor range recomputes those three with the blocked products, or the exact level products where
+even a sub-block is out of range (`products.recompute_products`; the level products every step
+when the anchor range is 0). The grid is (B, H, 1, NT / n),
 time "arbitrary" and walked backwards, with all of K and V in every block
 (`ChunkSpecs.value_tiled` with one V tile).
 """

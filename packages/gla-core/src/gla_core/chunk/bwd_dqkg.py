@@ -15,8 +15,9 @@ parallel, with all of V in every block.
 
 Per-key gates take a grid step at a time (`_step_kernel`, `step_math.gradients`): every chunk of
 the step together, with the anchored products; a step whose decays are out of the anchor range
-is recomputed with the exact level products (`products.LevelProducts`; every step when the anchor
-range is 0). The chunk-by-chunk `_bwd_dqkg_kernel` serves scalar gates.
+is recomputed with the blocked products, or the exact level products where even a sub-block is
+out of range (`products.recompute_products`; the level products every step when the anchor range
+is 0). The chunk-by-chunk `_bwd_dqkg_kernel` serves scalar gates.
 """
 
 from __future__ import annotations

@@ -200,9 +200,14 @@ class KeyMaskTable:
       PAIR + l      [t, s] = t in the upper half, s in the lower half of one block at level l
       FROM_U_ON     [u, t] = t >= u          sum_{t>=u} (gate gradient)
       BEFORE_U      [u, s] = s < u           sum_{s<u}  (gate gradient)
+      SUB_ANCHOR    [t, u] = ANCHOR inside each sub-block of `sub_block` steps, anchored at the
+                             sub-block's middle row m(t):  b_t - b_m(t)        (blocked products)
     """
 
     ANCHOR, THROUGH, AFTER, SEGMENT = range(4)
+    # Steps per sub-block of the blocked products (`products.BlockedProducts`): 16 keeps every
+    # sub-block exponent within the bfloat16 anchor range for per-step decays up to ~3.7.
+    SUB_BLOCK = 16
 
     def __init__(self, chunk: int):
         if chunk < 1 or chunk & (chunk - 1):
@@ -224,8 +229,17 @@ class KeyMaskTable:
         return self.from_u_on + 1
 
     @property
+    def sub_anchor(self) -> int:
+        return self.before_u + 1
+
+    @property
+    def sub_block(self) -> int:
+        """s, the steps of a sub-block of the blocked products (the whole chunk when it is shorter)."""
+        return min(self.SUB_BLOCK, self.chunk)
+
+    @property
     def shape(self) -> tuple[int, int]:
-        return ((self.before_u + 1) * self.chunk, self.chunk)
+        return ((self.sub_anchor + 1) * self.chunk, self.chunk)
 
     @property
     def anchor_row(self) -> int:
@@ -235,10 +249,7 @@ class KeyMaskTable:
     def build(self) -> jax.Array:
         """The table, bfloat16 `shape` (exact 0 / +-1 values)."""
         rows, cols = np.indices((self.chunk, self.chunk))
-        m = self.anchor_row
-        anchor = np.where((rows > m) & (cols > m) & (cols <= rows), 1.0, 0.0)
-        anchor = anchor - np.where((rows < m) & (cols > rows) & (cols <= m), 1.0, 0.0)
-        blocks = [anchor, cols <= rows, cols > rows]
+        blocks = [_signed_segments_to(np.full_like(rows, self.anchor_row), rows, cols), cols <= rows, cols > rows]
         pairs = []
         for level in range(self.levels):
             upper_row = ((rows >> level) & 1) == 1
@@ -249,12 +260,22 @@ class KeyMaskTable:
             same_block = (rows >> (level + 1)) == (cols >> (level + 1))
             pairs.append(same_block & upper_row & (((cols >> level) & 1) == 0))
         gradient_sums = [cols >= rows, cols < rows]
-        stacked = [np.asarray(block, np.float32) for block in blocks + pairs + gradient_sums]
+        s = self.sub_block
+        sub_anchor = _signed_segments_to((rows // s) * s + max(s // 2 - 1, 0), rows, cols)
+        stacked = [np.asarray(block, np.float32) for block in blocks + pairs + gradient_sums + [sub_anchor]]
         return jnp.asarray(np.concatenate(stacked, axis=0), jnp.bfloat16)
 
     def block_spec(self) -> pl.BlockSpec:
         """The whole table in every grid step (the index never changes, so it is fetched once)."""
         return pl.BlockSpec(self.shape, lambda *indices: (0, 0))
+
+
+def _signed_segments_to(anchors: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """[t, u] = +1 for m < u <= t, -1 for t < u <= m, with m = anchors[t, u] the row t's anchor:
+    the mask whose product with the per-step log decays is b_t - b_m."""
+    later = (rows > anchors) & (cols > anchors) & (cols <= rows)
+    earlier = (rows < anchors) & (cols > rows) & (cols <= anchors)
+    return np.where(later, 1.0, 0.0) - np.where(earlier, 1.0, 0.0)
 
 
 def intra_costs(mode: str, chunk: int, keys: int, products: int, anchored: bool = False) -> tuple[int, int]:

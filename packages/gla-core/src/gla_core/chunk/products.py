@@ -12,6 +12,10 @@ axis) and give, with b_t the sum of a chunk's log decays through step t:
 valid only where the step is within the anchor range (the fast path).
 `LevelProducts`: exact for any gates (every exponent a segment sum <= 0), one masked matmul per
 level: the kernels' recompute of a step out of range.
+`BlockedProducts`: between the two, for decays too strong to anchor a whole chunk at one row: the
+level products for pairs in different sub-blocks of `KeyMaskTable.sub_block` steps, anchored
+products inside each sub-block; valid where every sub-block is within the anchor range.
+`recompute_products` picks the blocked or the level products for a step out of the anchor range.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from gla_core.chunk.anchored import StepDecays
 from gla_core.chunk.batched import causal_mask
 from gla_core.chunk.common import BATCHED_NN, BATCHED_NT, BATCHED_TN, dot, mask_dot, split_for_mask_dot
 from gla_core.chunk.gates import KeyMaskTable
+from gla_core.errors import InvalidArgumentError
 
 F32 = jnp.float32
 
@@ -101,3 +106,99 @@ class LevelProducts:
             left = left + factor * dot(w_level, y * factor, BATCHED_NN, self.dtype)
             right = right + factor * dot(w_level, x * factor, BATCHED_TN, self.dtype)
         return left, right
+
+
+class BlockedProducts:
+    """The gated products exact between sub-blocks and anchored inside them, batched over the leading axis.
+
+    With s = `KeyMaskTable.sub_block`, a pair t > s' in different sub-blocks meets at a level l with
+    2^(l+1) > s and takes that level's exact factors (`LevelProducts`); a pair inside one sub-block
+    takes the anchored factors e^{D'_t} e^{-D'_s'}, D'_t = b_t - b_m(t) with m(t) the middle row of
+    t's sub-block (`KeyMaskTable.SUB_ANCHOR`), clipped to the anchor range before `exp` so nothing
+    overflows. log2(C/s) + 1 products where `LevelProducts` takes log2(C), and `in_range` holds for
+    per-step decays C/s times stronger than the chunk-wide anchored products allow.
+
+    Args:
+      a: `[M*C, K]` float32 per-step log decays (floored); table_ref: the call's `KeyMaskTable` ref.
+      chunk: C; anchor_range: the largest |D'| of the anchored sub-blocks (> 0); dtype: the
+        matrix-unit dtype.
+    """
+
+    def __init__(self, a: jax.Array, table_ref, chunk: int, anchor_range: float, dtype):
+        if anchor_range <= 0:
+            raise InvalidArgumentError(f"anchor_range: expected a positive range, got {anchor_range}")
+        table = KeyMaskTable(chunk)
+        self.chunk, self.anchor_range, self.dtype = chunk, anchor_range, dtype
+        self.sub = table.sub_block
+        self.chunks = a.shape[0] // chunk
+        first = self.sub.bit_length() - 1  # the lowest level whose pairs lie in different sub-blocks
+        self.levels = range(first, table.levels)
+        c = chunk
+        masks = [table_ref[pl.ds(table.sub_anchor * c, c), :]]
+        if len(self.levels):
+            masks.append(table_ref[pl.ds((KeyMaskTable.SEGMENT + first) * c, len(self.levels) * c), :])
+        self.pairs = [table_ref[pl.ds((table.pair + level) * c, c), :] > 0 for level in self.levels]
+        parts = split_for_mask_dot(a).reshape(self.chunks, c, 3 * a.shape[1])
+        sums = mask_dot(jnp.concatenate(masks, axis=0), parts)  # [M, (1 + levels) C, K]
+        self._sub_anchored = sums[:, :c]
+        self._level_sums = sums[:, c:]
+
+    @functools.cached_property
+    def in_range(self) -> jax.Array:
+        """Whether every |D'| of the step is <= the anchor range (a scalar bool; False where a gate is NaN)."""
+        outside = jnp.where(jnp.abs(self._sub_anchored) <= self.anchor_range, 0.0, 1.0)
+        return jnp.max(outside) == 0.0
+
+    @functools.cached_property
+    def _anchored(self) -> tuple[jax.Array, jax.Array]:
+        """(e^{D'}, e^{-D'}) [M, C, K], the exponents clipped to the anchor range."""
+        clipped = jnp.clip(self._sub_anchored, -self.anchor_range, self.anchor_range)
+        return jnp.exp(clipped), jnp.exp(-clipped)
+
+    @functools.cached_property
+    def _level_factors(self) -> jax.Array:
+        return jnp.exp(self._level_sums)
+
+    def _levels(self):
+        """Per level above the sub-block: (factor [M, C, K], pair mask [C, C] bool)."""
+        c = self.chunk
+        for index, pair in enumerate(self.pairs):
+            yield self._level_factors[:, index * c : (index + 1) * c], pair
+
+    def _same_sub_block(self, strict: bool) -> jax.Array:
+        """[C, C] bool: s' <= t (s' < t when strict) in one sub-block."""
+        rows = jax.lax.broadcasted_iota(jnp.int32, (self.chunk, self.chunk), 0)
+        cols = jax.lax.broadcasted_iota(jnp.int32, (self.chunk, self.chunk), 1)
+        causal = cols < rows if strict else cols <= rows
+        shift = self.sub.bit_length() - 1  # s is a power of two (no integer division on the vector unit)
+        return causal & ((rows >> shift) == (cols >> shift))
+
+    def scores(self, x: jax.Array, y: jax.Array) -> jax.Array:
+        up, down = self._anchored
+        inside = dot(x * up, y * down, BATCHED_NT, self.dtype)
+        out = jnp.where(self._same_sub_block(strict=False), inside, 0.0)
+        for factor, pair in self._levels():
+            out = out + jnp.where(pair, dot(x * factor, y * factor, BATCHED_NT, self.dtype), 0.0)
+        return out
+
+    def left_right_strict(self, w: jax.Array, y: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        up, down = self._anchored
+        w_inside = jnp.where(self._same_sub_block(strict=True), w, 0.0)
+        left = up * dot(w_inside, y * down, BATCHED_NN, self.dtype)
+        right = down * dot(w_inside, x * up, BATCHED_TN, self.dtype)
+        for factor, pair in self._levels():
+            w_level = jnp.where(pair, w, 0.0)
+            left = left + factor * dot(w_level, y * factor, BATCHED_NN, self.dtype)
+            right = right + factor * dot(w_level, x * factor, BATCHED_TN, self.dtype)
+        return left, right
+
+
+def recompute_products(a: jax.Array, table_ref, chunk: int, anchor_range: float, dtype, write) -> None:
+    """The recompute of a step out of the chunk-wide anchor range: calls `write(products)` under
+    `pl.when` with `BlockedProducts` where the step is within their range, else with `LevelProducts`.
+
+    Args: a `[M*C, K]` float32 log decays (floored); table_ref: the call's `KeyMaskTable` ref.
+    """
+    blocked = BlockedProducts(a, table_ref, chunk, anchor_range, dtype)
+    pl.when(blocked.in_range)(lambda: write(blocked))
+    pl.when(jnp.logical_not(blocked.in_range))(lambda: write(LevelProducts(a, table_ref, chunk, dtype)))

@@ -30,7 +30,7 @@ from gla_core.chunk.anchored import StepDecays
 from gla_core.chunk.batched import causal_dot, causal_mask, state_chain
 from gla_core.chunk.common import BATCHED_NN, BATCHED_NT, BATCHED_TN, dot, mask_dot, split_for_mask_dot
 from gla_core.chunk.gates import GATE_FLOOR, KeyMaskTable
-from gla_core.chunk.products import AnchoredProducts, LevelProducts
+from gla_core.chunk.products import AnchoredProducts, LevelProducts, recompute_products
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,21 +133,21 @@ def run_forward(
     anchor range, the exact ones), and again under `pl.when` where needed: with the same products
     and the values masked when the states came out non-finite (a non-finite v_s reaches earlier
     rows through the zeros above the diagonal; a non-finite k_s only rows t >= s), so the rows
-    before it keep exactly their numbers; with the exact level products when the step is out of
-    the anchor range (the static estimate counts only the first call, see `anchored`).
+    before it keep exactly their numbers; with the blocked or exact level products
+    (`products.recompute_products`) when the step is out of the anchor range (the static estimate
+    counts only the first call, see `anchored`).
 
     Args: a `[M*C, K]` float32 log decays; q, k `[M, C, K]` float32; v `[M, C, V]`; start `[G, V, K]`;
     edges: packed sequences' edges inside the step (`packed.ChainEdges`; a recomputed step runs its
     chain, and so its DMAs, again) or None.
     """
 
-    def exact():
-        products = LevelProducts(a, table_ref, chunk, dtype)
+    def recomputed(products):
         step = forward_step(decays, products, q, k, v, start, dtype=dtype, edges=edges)
         write(step, scale * (step.inter + causal_dot(step.scores, v, dtype)))
 
     if decays.anchor_range is None:
-        exact()
+        recomputed(LevelProducts(a, table_ref, chunk, dtype))
         return
     step = forward_step(decays, AnchoredProducts(decays, dtype), q, k, v, start, dtype=dtype, edges=edges)
     write(step, outputs(step, v, scale=scale, dtype=dtype))
@@ -156,21 +156,27 @@ def run_forward(
     def _masked():
         write(step, scale * (step.inter + causal_dot(step.scores, v, dtype)))
 
-    pl.when(jnp.logical_not(decays.in_range))(exact)
+    @pl.when(jnp.logical_not(decays.in_range))
+    def _recompute():
+        recompute_products(a, table_ref, chunk, decays.anchor_range, dtype, recomputed)
 
 
 def run_gradients(decays: StepDecays, a, table_ref, operands, write, *, scale, dtype, chunk: int) -> None:
     """dq, dk and d loss / d a of a step (`gradients` of `operands`, everything after its decays and
     products): `write(dq, dk, da)` with the anchored products (or, without an anchor range, the exact
-    ones), and again with the exact level products under `pl.when` when out of the anchor range.
+    ones), and again under `pl.when` with the blocked or the exact level products
+    (`products.recompute_products`) when out of the anchor range.
 
     Args: a `[M*C, K]` float32 log decays."""
 
-    def exact():
-        write(*gradients(decays, LevelProducts(a, table_ref, chunk, dtype), *operands, scale=scale, dtype=dtype))
+    def with_products(products):
+        write(*gradients(decays, products, *operands, scale=scale, dtype=dtype))
 
     if decays.anchor_range is None:
-        exact()
+        with_products(LevelProducts(a, table_ref, chunk, dtype))
         return
-    write(*gradients(decays, AnchoredProducts(decays, dtype), *operands, scale=scale, dtype=dtype))
-    pl.when(jnp.logical_not(decays.in_range))(exact)
+    with_products(AnchoredProducts(decays, dtype))
+
+    @pl.when(jnp.logical_not(decays.in_range))
+    def _recompute():
+        recompute_products(a, table_ref, chunk, decays.anchor_range, dtype, with_products)

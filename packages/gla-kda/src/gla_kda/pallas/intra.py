@@ -5,10 +5,11 @@ within-chunk cumsum of the cleaned decay, `chunk_math.clean_log_decay`):
   Akk_ij = beta_i sum_d k_id k_jd exp(G_id - G_jd)          j < i   (strictly lower)
   Tinv   = (I + Akk)^-1                                       (recursively blocked inverse)
   Aqk_ij = scale sum_d q_id k_jd exp(G_id - G_jd)           j <= i
-The gated products are gla-core's (`gla_core.chunk.products`): one matrix product each from the
-anchored factors e^{+-D} of all n chunks of the step, recomputed exactly with the level products
-(every exponent <= 0) when a step's anchored exponents leave the anchor range (`KernelConfig.anchor`;
-every step without one).
+The gated products are gla-core's (`gla_core.chunk.products`), for all n chunks of the step:
+one matrix product each from the anchored factors e^{+-D}; where a step's anchored exponents leave
+the anchor range (`KernelConfig.anchor`), recomputed exact between sub-blocks of 16 steps and
+anchored inside them (`BlockedProducts`, log2(C/16) + 1 products); where even a sub-block leaves
+it (or without an anchor range), exactly with the level products (every exponent <= 0).
 Every chunk is independent: the grid (B, HV, NT) is parallel on all axes.
 """
 
@@ -19,6 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from gla_core.kit import (
     AnchoredProducts,
@@ -27,20 +29,24 @@ from gla_core.kit import (
     fold_vmap,
     intra_costs,
     mask_table_inputs,
+    recompute_products,
     row_to_column,
 )
 from gla_kda.pallas import chunk_math as cm
 from gla_kda.pallas.config import KernelConfig, compiler_params, token_block
 
 
-def intra_kernel(q_ref, k_ref, g_ref, beta_ref, table_ref, tinv_ref, aqk_ref, *, config: KernelConfig):
+def intra_kernel(q_ref, k_ref, g_ref, beta_ref, table_ref, tinv_ref, aqk_ref, kk_ref, *, config: KernelConfig):
     """Blocks of n chunks: q, k [n*C, K] input dtype; g [n*C, K] raw per-step log decays (cleaned
     here, `chunk_math.clean_log_decay`); beta [n, 1, C]; table: gla-core's `KeyMaskTable`; outputs
     tinv and aqk [n*C, C] in `config.store_dtype` (every reader multiplies them in the matrix-unit
-    dtype, so storing them rounded to it changes no result).
+    dtype, so storing them rounded to it changes no result); scratch kk [n*C, C] float32.
 
-    The chunks are independent; their (I + Akk)^-1 are solved together (`unit_lower_inverses`)
-    so that their serial chains interleave.
+    The gated products take the first form valid for the step: anchored at each chunk's middle row,
+    else exact between sub-blocks and anchored inside them (`BlockedProducts`, valid for decays
+    C/s times stronger), else the exact level products; a recomputed step solves its inverses again
+    from kk. The chunks are independent; their (I + Akk)^-1 are solved together
+    (`unit_lower_inverses`) so that their serial chains interleave.
     """
     sb = cm.SubBlocks(config.blocks.chunk_size, config.blocks.sub_chunk)
     c, n = sb.chunk, beta_ref.shape[0]
@@ -48,24 +54,33 @@ def intra_kernel(q_ref, k_ref, g_ref, beta_ref, table_ref, tinv_ref, aqk_ref, *,
     q = (cm.finite(q_ref[...]) * config.scale).reshape(n, c, -1)
     k = cm.finite(k_ref[...]).astype(jnp.float32).reshape(n, c, -1)
     a = cm.clean_log_decay(g_ref[...])
-    strict = cm.lower_mask(c, strict=True)
 
-    def write(products):
-        kk = products.scores(k, k)  # [n, C, C]
+    def write_products(products):
+        kk_ref[...] = products.scores(k, k).reshape(n * c, c)
         aqk_ref[...] = products.scores(q, k).reshape(n * c, c).astype(aqk_ref.dtype)
+
+    def write_inverses(kk):
+        """Tinv of every chunk from its gated k k^T products kk [n, C, C]."""
+        strict = cm.lower_mask(c, strict=True)
         akks = [jnp.where(strict, row_to_column(beta_ref[i]) * kk[i], 0.0) for i in range(n)]
         for i, tinv in enumerate(cm.unit_lower_inverses(akks, sb, config.unroll, dtype)):
             tinv_ref[pl.ds(i * c, c), :] = tinv.astype(tinv_ref.dtype)
 
-    def exact():
-        write(LevelProducts(a, table_ref, c, dtype))
-
     if config.anchor is None:
-        exact()
+        write_products(LevelProducts(a, table_ref, c, dtype))
+        write_inverses(kk_ref[...].reshape(n, c, c))
         return
+    # The fast path keeps kk in values so that the inverse overlaps the products.
     decays = StepDecays(a, table_ref, c, config.anchor, scores_only=True)
-    write(AnchoredProducts(decays, dtype))
-    pl.when(jnp.logical_not(decays.in_range))(exact)
+    anchored = AnchoredProducts(decays, dtype)
+    kk = anchored.scores(k, k)
+    aqk_ref[...] = anchored.scores(q, k).reshape(n * c, c).astype(aqk_ref.dtype)
+    write_inverses(kk)
+
+    @pl.when(jnp.logical_not(decays.in_range))
+    def _recompute():
+        recompute_products(a, table_ref, c, config.anchor, dtype, write_products)
+        write_inverses(kk_ref[...].reshape(n, c, c))
 
 
 def head_index(b, j, t):
@@ -127,6 +142,7 @@ def _launch_intra(q, k, g, beta, *, config: KernelConfig):
             ],
             out_specs=[out_spec, out_spec],
             out_shape=[tinv_shape, aqk_shape],
+            scratch_shapes=[pltpu.VMEM((rows, c), jnp.float32)],
             compiler_params=compiler_params(sequential_time=False),
             cost_estimate=intra_cost(
                 batch, heads, num_chunks, c, key_dim, config.blocks.sub_chunk, config.mxu_dtype.itemsize
