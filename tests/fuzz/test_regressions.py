@@ -12,9 +12,12 @@ from . import properties
 from .specs import Poison, Spec, find_implementation
 
 
-def _case(case_id: str, op_impl: str, spec: Spec, poison: Poison | None = None):
+def _case(case_id: str, op_impl: str, spec: Spec, poison: Poison | None = None, known_bug: str | None = None):
+    """`known_bug`: why the case still fails (an open bug, reported as xfail until it is fixed)."""
     op, name = op_impl.split("-")
     marks = [pytest.mark.interpret] if find_implementation(op, name).interpretable else [pytest.mark.oracle]
+    if known_bug is not None:
+        marks.append(pytest.mark.xfail(reason=known_bug, raises=AssertionError, strict=False))
     arguments = (name, spec) if poison is None else (name, spec, poison)
     return pytest.param(*arguments, id=f"{op_impl}-{case_id}", marks=marks)
 
@@ -481,6 +484,32 @@ ORACLE_CASES = [
             initial_state=True,
             seed=1556,
         ),
+    ),
+    # OPEN: K = 1, weak decays, float32. dA_log and ddt_bias sum dg over 64 steps whose terms cancel 20x
+    # (sum |dg| 0.18, sum 0.0088). The chunked forms take each step's gate gradient as a sum over the later
+    # steps of the chunk, so their dg errors (~3e-8, within 8e-6 of max|dg|) run in long stretches of one
+    # sign and add up in the sums: chunk 1.7e-4, xla 1.1e-4 over the 1e-4 bound (recurrent 1.2e-6; K = 8
+    # gives 7e-7). Not strict: the xla error sits near the bound.
+    *(
+        _case(
+            "K1-weak-dA_log-bias",
+            op_impl,
+            Spec(
+                "kda",
+                seq_len=64,
+                key_dim=1,
+                value_dim=128,
+                num_value_heads=1,
+                gate="weak",
+                initial_state=True,
+                output_final_state=True,
+                use_gate_in_kernel=True,
+                use_beta_sigmoid_in_kernel=True,
+                seed=35,
+            ),
+            known_bug="chunked kda dg errors share one sign at K = 1: dA_log/ddt_bias off by 1.1-1.7e-4",
+        )
+        for op_impl in ("kda-chunk", "kda-xla")
     ),
 ]
 
