@@ -30,7 +30,7 @@ The shared Pallas chunk kernels (simple_gla / gla) and their pieces
   BLOCK_SIZE_OPTIONS (those and the token-major step sizes), block_sizes_of, ANCHOR_RANGE_OPTION
   (the anchored fast path), KERNEL_CHUNK_OPTION and kernel_chunk_of (the kernels' chunk)
 The per-key gated intra-chunk products (also kda's)
-  StepDecays, default_anchor_range, AnchoredProducts, BlockedProducts, LevelProducts,
+  StepDecays, default_anchor_range, all_within (the range checks), AnchoredProducts, BlockedProducts, LevelProducts,
   recompute_products (a step out of the anchor range), mask_table_inputs
 Kernels on the op's own token-major layout (no transposed copies)
   merge_heads, split_heads (the free [B, T*H, D] view), HeadRows, heads_per_group (per-head rows of a block),
@@ -47,7 +47,7 @@ Checks for TPU without a TPU (tests)
 from gla_core import decode, varlen
 from gla_core.adapters import STATE_POOL_REASON, declining_state_pool, swap_state_axes, with_state_layout
 from gla_core.chunk import BlockSizes, chunk_gated_attention, prepare
-from gla_core.chunk.anchored import ANCHOR_RANGE_OPTION, StepDecays, default_anchor_range
+from gla_core.chunk.anchored import ANCHOR_RANGE_OPTION, StepDecays, all_within, default_anchor_range
 from gla_core.chunk.bwd_dqkg import chunk_bwd_dqkg
 from gla_core.chunk.common import (
     BATCHED_NN,
@@ -180,6 +180,7 @@ __all__ = [
     "Option",
     "ScalarGate",
     "StepDecays",
+    "all_within",
     "any_nonfinite",
     "attention_call",
     "attention_spec",

@@ -73,6 +73,12 @@ ANCHOR_RANGE_OPTION = Option(
 )
 
 
+def all_within(exponents: jax.Array, bound: float) -> jax.Array:
+    """Whether every |exponent| is <= bound: a scalar bool, False where an exponent is NaN (a float
+    max of 0/1 flags, not a boolean reduction)."""
+    return jnp.max(jnp.where(jnp.abs(exponents) <= bound, 0.0, 1.0)) == 0.0
+
+
 class StepDecays:
     """The decays of the n chunks of one grid step for a per-key gate.
 
@@ -143,8 +149,7 @@ class StepDecays:
     @functools.cached_property
     def in_range(self) -> jax.Array:
         """Whether every |D| of the step is <= the anchor range (a scalar bool; False where a gate is NaN)."""
-        outside = jnp.where(jnp.abs(self._anchored) <= self._clip_bound, 0.0, 1.0)
-        return jnp.max(outside) == 0.0
+        return all_within(self._anchored, self._clip_bound)
 
     @functools.cached_property
     def _clipped(self) -> jax.Array:

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from gla_core.chunk.anchored import StepDecays
+from gla_core.chunk.anchored import StepDecays, all_within
 from gla_core.chunk.batched import causal_mask
 from gla_core.chunk.common import BATCHED_NN, BATCHED_NT, BATCHED_TN, dot, mask_dot, split_for_mask_dot
 from gla_core.chunk.gates import KeyMaskTable
@@ -93,19 +93,28 @@ class LevelProducts:
         rows = jax.lax.broadcasted_iota(jnp.int32, (self.chunks, c, c), 1)
         cols = jax.lax.broadcasted_iota(jnp.int32, (self.chunks, c, c), 2)
         diagonal = jnp.sum(x * y, axis=2, keepdims=True)  # [M, C, 1]
-        out = jnp.where(rows == cols, diagonal, 0.0)
-        for factor, pair in self._levels():
-            out = out + jnp.where(pair, dot(x * factor, y * factor, BATCHED_NT, self.dtype), 0.0)
-        return out
+        return _add_level_scores(jnp.where(rows == cols, diagonal, 0.0), x, y, self._levels(), self.dtype)
 
     def left_right_strict(self, w: jax.Array, y: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        left = jnp.zeros(y.shape, F32)
-        right = jnp.zeros(x.shape, F32)
-        for factor, pair in self._levels():
-            w_level = jnp.where(pair, w, 0.0)  # rows: upper halves only; columns: lower halves only
-            left = left + factor * dot(w_level, y * factor, BATCHED_NN, self.dtype)
-            right = right + factor * dot(w_level, x * factor, BATCHED_TN, self.dtype)
-        return left, right
+        zeros = (jnp.zeros(y.shape, F32), jnp.zeros(x.shape, F32))
+        return _add_level_left_right(zeros, w, y, x, self._levels(), self.dtype)
+
+
+def _add_level_scores(out: jax.Array, x: jax.Array, y: jax.Array, levels, dtype) -> jax.Array:
+    """`out` plus the scores of every level's pairs; `levels` yields (factor [M, C, K], pair mask [C, C])."""
+    for factor, pair in levels:
+        out = out + jnp.where(pair, dot(x * factor, y * factor, BATCHED_NT, dtype), 0.0)
+    return out
+
+
+def _add_level_left_right(left_right, w: jax.Array, y: jax.Array, x: jax.Array, levels, dtype):
+    """(left, right) = `left_right` plus every level's strictly lower left/right products."""
+    left, right = left_right
+    for factor, pair in levels:
+        w_level = jnp.where(pair, w, 0.0)  # rows: upper halves only; columns: lower halves only
+        left = left + factor * dot(w_level, y * factor, BATCHED_NN, dtype)
+        right = right + factor * dot(w_level, x * factor, BATCHED_TN, dtype)
+    return left, right
 
 
 class BlockedProducts:
@@ -146,8 +155,7 @@ class BlockedProducts:
     @functools.cached_property
     def in_range(self) -> jax.Array:
         """Whether every |D'| of the step is <= the anchor range (a scalar bool; False where a gate is NaN)."""
-        outside = jnp.where(jnp.abs(self._sub_anchored) <= self.anchor_range, 0.0, 1.0)
-        return jnp.max(outside) == 0.0
+        return all_within(self._sub_anchored, self.anchor_range)
 
     @functools.cached_property
     def _anchored(self) -> tuple[jax.Array, jax.Array]:
@@ -177,20 +185,14 @@ class BlockedProducts:
         up, down = self._anchored
         inside = dot(x * up, y * down, BATCHED_NT, self.dtype)
         out = jnp.where(self._same_sub_block(strict=False), inside, 0.0)
-        for factor, pair in self._levels():
-            out = out + jnp.where(pair, dot(x * factor, y * factor, BATCHED_NT, self.dtype), 0.0)
-        return out
+        return _add_level_scores(out, x, y, self._levels(), self.dtype)
 
     def left_right_strict(self, w: jax.Array, y: jax.Array, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         up, down = self._anchored
         w_inside = jnp.where(self._same_sub_block(strict=True), w, 0.0)
         left = up * dot(w_inside, y * down, BATCHED_NN, self.dtype)
         right = down * dot(w_inside, x * up, BATCHED_TN, self.dtype)
-        for factor, pair in self._levels():
-            w_level = jnp.where(pair, w, 0.0)
-            left = left + factor * dot(w_level, y * factor, BATCHED_NN, self.dtype)
-            right = right + factor * dot(w_level, x * factor, BATCHED_TN, self.dtype)
-        return left, right
+        return _add_level_left_right((left, right), w, y, x, self._levels(), self.dtype)
 
 
 def recompute_products(a: jax.Array, table_ref, chunk: int, anchor_range: float, dtype, write) -> None:

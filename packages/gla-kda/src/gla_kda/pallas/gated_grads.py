@@ -28,6 +28,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from gla_core.kit import all_within
 from gla_kda.pallas.chunk_math import F32, Decays, dot, dot_rows, iota, position_loop
 
 
@@ -137,8 +138,7 @@ def _diagonal_grads(pairs, col_op, decays: Decays, dtype, unroll: bool, anchor_r
 
 def diagonals_in_range(decays: Decays, anchor_range: float):
     """Whether every |D| of the chunk (`Decays.from_middle`) is within `anchor_range` (a scalar bool; False for NaN)."""
-    inside = jnp.abs(decays.from_middle) <= anchor_range
-    return jnp.max(jnp.where(inside, 0.0, 1.0)) == 0.0
+    return all_within(decays.from_middle, anchor_range)
 
 
 def _diagonal_anchored(pairs, col_op, decays: Decays, exponents, dtype) -> _Diagonal:

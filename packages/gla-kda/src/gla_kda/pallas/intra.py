@@ -55,9 +55,14 @@ def intra_kernel(q_ref, k_ref, g_ref, beta_ref, table_ref, tinv_ref, aqk_ref, kk
     k = cm.finite(k_ref[...]).astype(jnp.float32).reshape(n, c, -1)
     a = cm.clean_log_decay(g_ref[...])
 
-    def write_products(products):
-        kk_ref[...] = products.scores(k, k).reshape(n * c, c)
+    def kk_and_write_aqk(products):
+        """Writes Aqk and returns the gated k k^T products kk [n, C, C] of `products`."""
+        kk = products.scores(k, k)
         aqk_ref[...] = products.scores(q, k).reshape(n * c, c).astype(aqk_ref.dtype)
+        return kk
+
+    def write_products(products):
+        kk_ref[...] = kk_and_write_aqk(products).reshape(n * c, c)
 
     def write_inverses(kk):
         """Tinv of every chunk from its gated k k^T products kk [n, C, C]."""
@@ -67,15 +72,11 @@ def intra_kernel(q_ref, k_ref, g_ref, beta_ref, table_ref, tinv_ref, aqk_ref, kk
             tinv_ref[pl.ds(i * c, c), :] = tinv.astype(tinv_ref.dtype)
 
     if config.anchor is None:
-        write_products(LevelProducts(a, table_ref, c, dtype))
-        write_inverses(kk_ref[...].reshape(n, c, c))
+        write_inverses(kk_and_write_aqk(LevelProducts(a, table_ref, c, dtype)))
         return
-    # The fast path keeps kk in values so that the inverse overlaps the products.
+    # The first pass keeps kk in values so that the inverse overlaps the products.
     decays = StepDecays(a, table_ref, c, config.anchor, scores_only=True)
-    anchored = AnchoredProducts(decays, dtype)
-    kk = anchored.scores(k, k)
-    aqk_ref[...] = anchored.scores(q, k).reshape(n * c, c).astype(aqk_ref.dtype)
-    write_inverses(kk)
+    write_inverses(kk_and_write_aqk(AnchoredProducts(decays, dtype)))
 
     @pl.when(jnp.logical_not(decays.in_range))
     def _recompute():
