@@ -20,6 +20,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import gla_core
+from gla_kda.inputs import floor_log_decay
+from gla_kda.nonfinite import zero_nonfinite
 from gla_kda.pallas import chunk_math as cm
 from gla_kda.pallas import layout as kl
 from gla_kda.pallas.config import BlockSizes
@@ -54,9 +56,15 @@ def _strong_then_weak(seed: int):
 
 
 def _local(g):
-    """(hi, lo) float32 [C, K]: the compensated sub-block-local cumsum the kernels read."""
-    hi, lo = kl.local_cumsum(jnp.asarray(g, jnp.float32)[None, None], S)
-    return hi[0, 0], lo[0, 0]
+    """(hi, lo) float32 [C, K]: the compensated sub-block-local cumsum the kernels form
+    (`chunk_math.Decays.of_steps`, in a Pallas kernel in TPU interpret mode)."""
+
+    def kernel(g_ref, hi_ref, lo_ref):
+        decays = cm.Decays.of_steps(g_ref[...], cm.SubBlocks(C, S))
+        hi_ref[...], lo_ref[...] = decays.hi, decays.lo
+
+    out = jax.ShapeDtypeStruct((C, K), jnp.float32)
+    return pl.pallas_call(kernel, out_shape=[out, out], interpret=pltpu.InterpretParams())(jnp.asarray(g, jnp.float32))
 
 
 def _decay_tensor(g):
@@ -206,41 +214,30 @@ def test_gate_grad_sums_each_term_over_its_steps(dtype):
     assert_close("dg", got, expected, TOL if dtype == jnp.float32 else BF16X3_TOL)
 
 
-def test_local_cumsum_is_compensated():
-    """hi + lo is the float64 sub-block cumsum (hi alone is off by up to half an ulp of |L| ~ 300)."""
-    g, _, _ = _strong_then_weak(3)
-    hi, lo = _local(g)
-    exact = np.cumsum(np.asarray(jnp.asarray(g, jnp.float32), np.float64).reshape(C // S, S, K), axis=1).reshape(C, K)
-    # Compensated: the pair keeps float64-level round-off (hi alone is off by ~1e-5 absolute).
-    assert_close(
-        "hi + lo", np.asarray(hi, np.float64) + np.asarray(lo, np.float64), exact, TOLERANCES["float64_identity"].output
-    )
-
-
-def _in_kernel_local_cumsum(g):
-    """`chunk_math.Decays.of_steps` in a Pallas kernel (TPU interpret mode): (hi, lo) [C, K]."""
-
-    def kernel(g_ref, hi_ref, lo_ref):
-        decays = cm.Decays.of_steps(g_ref[...], cm.SubBlocks(C, S))
-        hi_ref[...], lo_ref[...] = decays.hi, decays.lo
-
-    out = jax.ShapeDtypeStruct((C, K), jnp.float32)
-    return pl.pallas_call(kernel, out_shape=[out, out], interpret=pltpu.InterpretParams())(g)
-
-
-def test_in_kernel_local_cumsum_matches_xla():
-    """The kernels' scan (rotations, TwoSum) is as compensated as `layout.local_cumsum`, and
-    cleans its input: -inf and floors to the float32 floor, NaN and +inf to 0."""
+def test_local_cumsum_is_compensated_and_cleans_its_input():
+    """hi + lo is the float64 sub-block cumsum (hi alone is off by up to half an ulp of |L| ~ 300,
+    ~1e-5 absolute), and the scan cleans its input: -inf and floors to the float32 floor, NaN and
+    +inf to 0."""
     g, _, _ = _strong_then_weak(3)
     g = np.asarray(g, np.float32)
     g[3, 0], g[20, 1], g[40, 2], g[50, 3] = -np.inf, np.nan, np.inf, -1e30
-    hi, lo = _in_kernel_local_cumsum(jnp.asarray(g))
+    hi, lo = _local(g)
     clean = np.where(np.isfinite(g), np.maximum(g, cm.LOG_DECAY_FLOOR), 0.0).astype(np.float32)
     clean[3, 0] = cm.LOG_DECAY_FLOOR
     exact = np.cumsum(clean.astype(np.float64).reshape(C // S, S, K), axis=1).reshape(C, K)
     assert_close(
         "hi + lo", np.asarray(hi, np.float64) + np.asarray(lo, np.float64), exact, TOLERANCES["float64_identity"].output
     )
+
+
+def test_clean_log_decay_grad_is_the_vjp_of_the_cleaning():
+    """The backward kernel's gradient through the cleaning of g is JAX's own VJP of the XLA cleaning
+    (floor, then non-finite entries zeroed with the gradient passed through)."""
+    floor = cm.LOG_DECAY_FLOOR
+    g = jnp.asarray([-np.inf, -1e30, floor * 2, floor, floor / 2, -0.5, 0.0, np.nan, np.inf], jnp.float32)
+    dg = jnp.arange(1.0, g.size + 1.0, dtype=jnp.float32)
+    _, vjp = jax.vjp(lambda x: zero_nonfinite(floor_log_decay(x)), g)
+    np.testing.assert_array_equal(cm.clean_log_decay_grad(g, dg), vjp(dg)[0])
 
 
 @pytest.mark.parametrize("unroll", [False, True])
@@ -328,9 +325,6 @@ def test_kernel_layout_round_trip(cu_seqlens):
     tokens = kl.to_tokens(x, layout, layout.key_pad)
     assert tokens.shape == (1, layout.padded_len, 3 * 128)
     np.testing.assert_array_equal(kl.from_tokens(tokens, layout, 3, 20), x)
-    heads = kl.heads_first(tokens, 3)
-    assert heads.shape == (1, 3, layout.padded_len, 128)
-    np.testing.assert_array_equal(kl.tokens_first(heads), tokens)
     meta = kl.chunk_meta(layout, 1)
     assert meta.first.shape == meta.last.shape == meta.seq.shape == (layout.num_chunks,)
 

@@ -112,6 +112,13 @@ def clean_log_decay(g):
     return finite(jnp.where(g < LOG_DECAY_FLOOR, LOG_DECAY_FLOOR, g))
 
 
+def clean_log_decay_grad(g, dg):
+    """The gradient with respect to raw log decays g [..] float32 of `clean_log_decay` with cotangent
+    dg: 0 below the floor, dg elsewhere (zeroing non-finite entries passes the gradient through,
+    as `gla_kda.nonfinite.zero_nonfinite`)."""
+    return jnp.where(g < LOG_DECAY_FLOOR, 0.0, dg)
+
+
 def iota(shape, axis: int):
     return jax.lax.broadcasted_iota(jnp.int32, shape, axis)
 
@@ -236,7 +243,7 @@ class Decays:
     """Every decay exponent a kernel needs, from the sub-block-local cumsum L [C, K] of g.
 
     L restarts at every sub-block and arrives as an unevaluated float32 sum L = hi + lo
-    (compensated summation, `layout.local_cumsum`): hi is L rounded to float32, lo the rounding
+    (compensated summation, `local_cumsum`): hi is L rounded to float32, lo the rounding
     error. Sums of same-sign terms are accurate relative to themselves from hi alone. A
     difference L_i - L_j is formed as (hi_i - hi_j) + (lo_i - lo_j): accurate relative to itself,
     where hi alone would carry an absolute error of eps * |L| (after a few steps of decay -20, an

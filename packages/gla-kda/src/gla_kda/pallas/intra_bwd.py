@@ -36,7 +36,6 @@ def intra_bwd_kernel(
     k_ref,
     v_ref,
     g_ref,
-    g_lo_ref,
     beta_ref,
     tinv_ref,
     h_ref,
@@ -51,11 +50,14 @@ def intra_bwd_kernel(
     *,
     config: KernelConfig,
 ):
-    """Blocks of n chunks: q, k, g, g_lo (sub-block-local decay cumsum, hi and lo parts) [n*C, K];
-    v, ddelta, do [n*C, V]; beta [n, 1, C]; tinv [n*C, C]; h, dstate [n*K, V].
+    """Blocks of n chunks of one value head: q, k [n*C, K] (input dtype, non-finite entries read as 0);
+    g [n*C, K] raw per-step log decays (cleaned and cumsummed here, `chunk_math.Decays.of_steps`);
+    v [n*C, V] (non-finite entries read as 0), ddelta, do [n*C, V]; beta [n, 1, C]; tinv [n*C, C];
+    h, dstate [n*K, V].
 
-    Outputs (float32): dq, dk, dg [n*C, K] (dq per value head, already multiplied by scale; dg with
-    respect to the per-step log decays); dv [n*C, V]; dbeta [n, 1, C]. The chunks are independent.
+    Outputs: dq, dk [n*C, K] (per value head, dq already multiplied by scale) and dv [n*C, V], each
+    in its ref's dtype; dg [n*C, K] float32 with respect to the raw log decays (through their
+    cleaning, `chunk_math.clean_log_decay_grad`); dbeta [n, 1, C] float32. The chunks are independent.
     """
     c, key_dim = config.blocks.chunk_size, q_ref.shape[-1]
     chunks = range(beta_ref.shape[0])
@@ -68,10 +70,10 @@ def intra_bwd_kernel(
             rows, states = pl.ds(n * c, c), pl.ds(n * key_dim, key_dim)
             products.append(
                 chunk_products(
-                    q_ref[rows, :].astype(cm.F32) * config.scale,
-                    k_ref[rows, :].astype(cm.F32),
-                    v_ref[rows, :].astype(cm.F32),
-                    (g_ref[rows, :], g_lo_ref[rows, :]),
+                    cm.finite(q_ref[rows, :]) * config.scale,
+                    cm.finite(k_ref[rows, :]),
+                    cm.finite(v_ref[rows, :]),
+                    g_ref[rows, :],
                     row_to_column(beta_ref[n]),
                     tinv_ref[rows, :],
                     h_ref[states, :].astype(cm.F32),
@@ -85,11 +87,11 @@ def intra_bwd_kernel(
         for n, chunk in zip(chunks, products, strict=True):
             rows = pl.ds(n * c, c)
             dq, dk, dv, dbeta, dg = chunk_grads(chunk, config, anchor_range)
-            dq_ref[rows, :] = dq * config.scale
-            dk_ref[rows, :] = dk
-            dv_ref[rows, :] = dv
+            dq_ref[rows, :] = (dq * config.scale).astype(dq_ref.dtype)
+            dk_ref[rows, :] = dk.astype(dk_ref.dtype)
+            dv_ref[rows, :] = dv.astype(dv_ref.dtype)
             dbeta_ref[n] = column_to_row(dbeta)
-            dg_ref[rows, :] = dg
+            dg_ref[rows, :] = cm.clean_log_decay_grad(g_ref[rows, :], dg)
         return [chunk.decays for chunk in products]
 
     anchor_range = config.anchor
@@ -130,15 +132,15 @@ class ChunkProducts:
     d_aqk: jax.Array
 
 
-def chunk_products(q, k, v, local_cumsum, beta, tinv, state, dstate, ddelta, do, config: KernelConfig):
+def chunk_products(q, k, v, g, beta, tinv, state, dstate, ddelta, do, config: KernelConfig):
     """`ChunkProducts` of one chunk.
 
-    q (scaled), k [C, K]; v, ddelta, do [C, V]; local_cumsum the (hi, lo) sub-block-local decay
-    cumsum [C, K]; beta [C, 1]; tinv [C, C] (`config.store_dtype`); state, dstate [K, V]; the others float32.
+    q (scaled), k [C, K]; v, ddelta, do [C, V]; g [C, K] the raw per-step log decays; beta [C, 1];
+    tinv [C, C] (`config.store_dtype`); state, dstate [K, V]; the others float32.
     """
     sb = cm.SubBlocks(config.blocks.chunk_size, config.blocks.sub_chunk)
     dtype, c = config.mxu_dtype, sb.chunk
-    decays = cm.Decays(local_cumsum[0], sb, local_cumsum[1])
+    decays = cm.Decays.of_steps(g, sb)
     decay = jnp.exp(decays.cum)
     projected = v - cm.dot(k * decay, state, dtype)
     y = beta * projected
@@ -198,16 +200,12 @@ def chunk_grads(p: ChunkProducts, config: KernelConfig, anchor_range: float | No
     return dq, dk, dv, dbeta, dg
 
 
-def chunk_index(b, j, t):
-    return (b, j, t, 0)
-
-
-def qk_index(b, j, t, *, group: int):
-    return (b, jax.lax.div(j, jnp.int32(group)), t, 0)
-
-
 def beta_index(b, j, t):
     return (b, j, t, 0, 0)
+
+
+def chunk_index(b, j, t):
+    return (b, j, t, 0)
 
 
 def intra_bwd_cost(batch, heads, num_chunks, c, k, v, s, itemsize):
@@ -217,7 +215,7 @@ def intra_bwd_cost(batch, heads, num_chunks, c, k, v, s, itemsize):
     bytes_accessed = steps * (
         2 * c * k * itemsize
         + c * v * itemsize * 3
-        + 2 * c * k * 4
+        + c * k * 4
         + c * 4
         + c * c * 4
         + 2 * k * v * itemsize
@@ -226,37 +224,40 @@ def intra_bwd_cost(batch, heads, num_chunks, c, k, v, s, itemsize):
     return pl.CostEstimate(flops=flops, transcendentals=transcendentals, bytes_accessed=bytes_accessed)
 
 
-def launch_intra_bwd(q, k, v, g, g_lo, beta, tinv, h, dstate, ddelta, do, config: KernelConfig):
-    """Per-chunk gradients.
+def launch_intra_bwd(q, k, v, g, beta, tinv, h, dstate, ddelta, do, config: KernelConfig):
+    """Per-chunk gradients, read and written in the forward's token-major layout (no transposed copies).
 
     Args:
-      q, k: [B, H, Tp, K]; v, do: [B, HV, Tp, V]; g, g_lo: [B, HV, Tp, K] float32
-      sub-block-local decay cumsum (`layout.local_cumsum`);
+      q, k: [B, Tp, H*K]; v: [B, Tp, HV*V] (token-major, `layout.to_tokens`; non-finite entries read as 0);
+      g: [B, Tp, HV*K] float32 raw per-step log decays (cleaned as the forward kernels clean them);
       beta: [B, HV, NT, 1, C]; tinv: [B, HV, Tp, C]; h: [B, NT*K, HV*V] (`state.launch_state`: rows
       n*K.. the state before chunk n, lanes j*V.. value head j); dstate: [B, NT*K, HV*V] (the same
-      layout, the gradient of the state after chunk n) and ddelta: [B, Tp, HV*V] (token-major),
+      layout, the gradient of the state after chunk n) and ddelta, do: [B, Tp, HV*V] (token-major),
       both from `state_bwd.launch_state_bwd`.
-    Returns (float32): dq, dk, dg [B, HV, Tp, K] (per value head); dv [B, HV, Tp, V];
-      dbeta [B, HV, NT, 1, C].
+    Returns: dq, dk [B, Tp, HV*K] (per value head, token-major; in q's dtype, or float32 when value
+      heads share q/k heads and the caller sums them); dv [B, Tp, HV*V] in v's dtype; dg [B, Tp, HV*K]
+      float32 with respect to the raw g; dbeta [B, HV, NT, 1, C] float32.
       Under `jax.vmap` the mapped axis folds into B (`gla_core.pallas_transforms.fold_vmap`).
     """
     launch = functools.partial(_launch_intra_bwd, config=config)
-    return fold_vmap(launch, (q, k, v, g, g_lo, beta, tinv, h, dstate, ddelta, do), in_axes=(0,) * 11, out_axes=0)
+    return fold_vmap(launch, (q, k, v, g, beta, tinv, h, dstate, ddelta, do), in_axes=(0,) * 10, out_axes=0)
 
 
-def _launch_intra_bwd(q, k, v, g, g_lo, beta, tinv, h, dstate, ddelta, do, *, config: KernelConfig):
-    batch, heads, padded_len, key_dim = g.shape
-    value_dim = v.shape[-1]
+def _launch_intra_bwd(q, k, v, g, beta, tinv, h, dstate, ddelta, do, *, config: KernelConfig):
+    batch, heads = beta.shape[:2]
+    padded_len, key_dim = g.shape[1], g.shape[2] // heads
+    value_dim = v.shape[-1] // heads
     c = config.blocks.chunk_size
     num_chunks = padded_len // c
     per_step = config.blocks.per_step(num_chunks, config.blocks.grad_chunks_per_step)
     rows = per_step * c
-    qk_spec = pl.BlockSpec((None, None, rows, key_dim), functools.partial(qk_index, group=config.group))
-    key_spec = pl.BlockSpec((None, None, rows, key_dim), chunk_index)
-    value_spec = pl.BlockSpec((None, None, rows, value_dim), chunk_index)
+    qk_spec = token_block(rows, key_dim, config.group)
+    key_spec = token_block(rows, key_dim)
+    value_spec = token_block(rows, value_dim)
     state_spec = token_block(per_step * key_dim, value_dim)
     beta_spec = pl.BlockSpec((None, None, per_step, 1, c), beta_index)
     f32 = jnp.float32
+    qk_grad_dtype = q.dtype if config.group == 1 else f32
     with jax.named_scope("kda_intra_bwd"):
         return pl.pallas_call(
             functools.partial(intra_bwd_kernel, config=config),
@@ -266,19 +267,18 @@ def _launch_intra_bwd(q, k, v, g, g_lo, beta, tinv, h, dstate, ddelta, do, *, co
                 qk_spec,
                 value_spec,
                 key_spec,
-                key_spec,
                 beta_spec,
                 pl.BlockSpec((None, None, rows, c), chunk_index),
                 state_spec,
                 state_spec,
-                token_block(rows, value_dim),
+                value_spec,
                 value_spec,
             ],
             out_specs=[key_spec, key_spec, value_spec, beta_spec, key_spec],
             out_shape=[
-                jax.ShapeDtypeStruct(g.shape, f32),
-                jax.ShapeDtypeStruct(g.shape, f32),
-                jax.ShapeDtypeStruct(v.shape, f32),
+                jax.ShapeDtypeStruct(g.shape, qk_grad_dtype),
+                jax.ShapeDtypeStruct(g.shape, qk_grad_dtype),
+                jax.ShapeDtypeStruct(v.shape, v.dtype),
                 jax.ShapeDtypeStruct(beta.shape, f32),
                 jax.ShapeDtypeStruct(g.shape, f32),
             ],
@@ -288,4 +288,4 @@ def _launch_intra_bwd(q, k, v, g, g_lo, beta, tinv, h, dstate, ddelta, do, *, co
             ),
             interpret=config.interpret_arg,
             name="kda_intra_bwd",
-        )(q, k, v, g, g_lo, beta, tinv, h, dstate, ddelta, do)
+        )(q, k, v, g, beta, tinv, h, dstate, ddelta, do)

@@ -1,6 +1,7 @@
 """XLA side of the kda chunk kernels: the kernel layout of the inputs, and back.
 
-The forward kernels read q, k, v, g and write o token-major, `[B, Tp, H*Dp]`: a reshape of
+The kernels, forward and backward, read q, k, v, g, dO and write o and the gradients of q, k,
+v and g token-major, `[B, Tp, H*Dp]`: a reshape of
 the user's `[B, T, H, D]` array when T is a multiple of the chunk size C, D of 128 lanes and
 the input is not packed varlen; a head's Dp lanes are one block (`config.token_block`). On
 TPU the reshape is not free for bfloat16: XLA tiles the last two dims, (H, D) before and
@@ -8,8 +9,8 @@ TPU the reshape is not free for bfloat16: XLA tiles the last two dims, (H, D) be
 transpose to `[B, H, T, D]`. Otherwise the view is padded with zeros to Tp = NT * C tokens
 and Dp lanes per head (zero k, q, v, beta and log decay contribute nothing and leave the state
 unchanged), and packed varlen input is first re-laid out by `gla_core.varlen` so each chunk
-holds tokens of one sequence. beta, the backward kernels and the kernels' own intermediates use the head-major
-`[B, H, Tp, ...]` layout (`heads_first`). Everything here is plain, differentiable `jnp`;
+holds tokens of one sequence. beta and the kernels' own per-chunk intermediates (Tinv, Aqk) use
+the head-major `[B, H, Tp, ...]` layout. Everything here is plain, differentiable `jnp`;
 gathers happen here, never in kernels.
 """
 
@@ -21,7 +22,6 @@ import jax
 import jax.numpy as jnp
 
 from gla_core.kit import NUM_LANES, ChunkLayout, build_chunk_layout, from_chunks, pad_axis, round_up, to_chunks
-from gla_kda.pallas.chunk_math import split_on_grid
 
 
 @jax.tree_util.register_dataclass
@@ -118,31 +118,6 @@ def beta_to_kernel(beta, layout: KernelLayout):
     beta = jnp.swapaxes(_to_slots(beta, layout), 1, 2)
     batch, heads, padded_len = beta.shape
     return beta.reshape(batch, heads, padded_len // layout.chunk_size, 1, layout.chunk_size)
-
-
-def heads_first(x, heads: int):
-    """Token-major [B, Tp, H*D] -> head-major [B, H, Tp, D] (a transposed copy)."""
-    batch, padded_len, width = x.shape
-    return jnp.swapaxes(x.reshape(batch, padded_len, heads, width // heads), 1, 2)
-
-
-def tokens_first(y):
-    """Head-major [B, H, Tp, D] -> token-major [B, Tp, H*D]."""
-    batch, heads, padded_len, dim = y.shape
-    return jnp.swapaxes(y, 1, 2).reshape(batch, padded_len, heads * dim)
-
-
-def local_cumsum(g, sub_chunk: int):
-    """Inclusive cumsum along time of g [B, H, Tp, K] (cleaned float32 log decays), restarting every `sub_chunk` steps.
-
-    Returns (hi, lo), both [B, H, Tp, K] float32: the cumsum as an unevaluated sum hi + lo (the
-    backward kernels' form of `chunk_math.local_cumsum`): hi the exact cumsum of g's part on a
-    grid (`chunk_math.split_on_grid`), lo the float32 cumsum of the rest, so differences of the
-    cumsum stay accurate (`chunk_math.Decays`).
-    """
-    batch, heads, padded_len, key_dim = g.shape
-    blocks = (batch, heads, padded_len // sub_chunk, sub_chunk, key_dim)
-    return tuple(jnp.cumsum(part.reshape(blocks), axis=3).reshape(g.shape) for part in split_on_grid(g, sub_chunk))
 
 
 def pad_state(state, layout: KernelLayout):

@@ -8,13 +8,11 @@ Backward: state again (h; nothing but the inputs, Tinv and Aqk is kept from the 
 Every kernel folds a `jax.vmap` axis into its batch axis, and differentiating the backward
 again raises a clear error (`gla_core.pallas_transforms`). Gradients of q/k are summed over
 the value heads that share them.
-The forward kernels read q, k, v and the raw per-step log decays g token-major
-(`layout.to_tokens`), and do the input cleaning themselves: non-finite entries zeroed
-(`nonfinite.zero_nonfinite`), g raised to its floor (`inputs.floor_log_decay`) and its
-sub-block-local cumsum (`chunk_math.Decays.of_steps`). The backward kernels take the
-head-major layout (the reverse state kernel reads q, k and dO token-major): the backward forms
-it, with the same cleaning and cumsum, in XLA (`layout.heads_first`, `layout.local_cumsum`), and
-differentiates the cleaning of g there.
+Every kernel, forward and backward, reads q, k, v, dO and the raw per-step log decays g
+token-major (`layout.to_tokens`), writes its per-token results token-major, and does the input
+cleaning itself: non-finite entries zeroed (`nonfinite.zero_nonfinite`), g raised to its floor
+(`inputs.floor_log_decay`) and its sub-block-local cumsum (`chunk_math.Decays.of_steps`); the
+backward kernel differentiates the cleaning of g (`chunk_math.clean_log_decay_grad`).
 """
 
 from __future__ import annotations
@@ -26,12 +24,10 @@ import jax
 import jax.numpy as jnp
 
 from gla_core.kit import first_order_only
-from gla_kda.inputs import floor_log_decay
-from gla_kda.nonfinite import zero_nonfinite
 from gla_kda.pallas.config import KernelConfig
 from gla_kda.pallas.intra import launch_intra
 from gla_kda.pallas.intra_bwd import launch_intra_bwd
-from gla_kda.pallas.layout import ChunkMeta, heads_first, local_cumsum, tokens_first
+from gla_kda.pallas.layout import ChunkMeta
 from gla_kda.pallas.output import launch_output
 from gla_kda.pallas.state import StateOutputs, launch_state
 from gla_kda.pallas.state_bwd import launch_state_bwd
@@ -101,17 +97,14 @@ def _pipeline_fwd(config, q, k, v, g, beta, h0, meta):
     return outputs, (q, k, v, g, beta, h0, meta, tinv, aqk, h if config.keep_states else None)
 
 
-def _group_sum(x, group: int, dtype):
-    """[B, HV, Tp, K] per value head -> [B, H, Tp, K] summed over each group of value heads."""
+def _group_sum(x, value_heads: int, group: int, dtype):
+    """[B, Tp, HV*K] per value head -> [B, Tp, H*K] summed over each group of value heads."""
     if group == 1:
         return x.astype(dtype)
-    batch, heads, length, dim = x.shape
-    return x.reshape(batch, heads // group, group, length, dim).sum(axis=2).astype(dtype)
-
-
-def _clean_log_decay(g):
-    """What the forward kernels make of g (`chunk_math.clean_log_decay`), in differentiable XLA."""
-    return zero_nonfinite(floor_log_decay(g))
+    batch, length, width = x.shape
+    dim = width // value_heads
+    grouped = x.reshape(batch, length, value_heads // group, group, dim).sum(axis=3)
+    return grouped.reshape(batch, length, width // group).astype(dtype)
 
 
 def _pipeline_bwd(config, residuals, cotangents):
@@ -124,24 +117,15 @@ def _pipeline_bwd(config, residuals, cotangents):
     if dht is not None:
         dht = _mask_empty(dht.astype(jnp.float32), meta.empty)
     value_heads = beta.shape[1]
-    heads = value_heads // kernel.group
-    clean_g, clean_g_vjp = jax.vjp(_clean_log_decay, g)
-    g_hi, g_lo = local_cumsum(heads_first(clean_g, value_heads), kernel.blocks.sub_chunk)
-    clean_q, clean_k = zero_nonfinite(q), zero_nonfinite(k)
     per_sequence = (config.has_initial_state, config.states_per_row, config.varlen)
-    dstate, ddelta, dh0 = launch_state_bwd(
-        clean_q, clean_k, g_hi, g_lo, beta, tinv, aqk, do, dht, meta, kernel, *per_sequence
-    )
-    qh, kh = heads_first(clean_q, heads), heads_first(clean_k, heads)
-    vh, doh = heads_first(zero_nonfinite(v), value_heads), heads_first(do, value_heads)
-    dq, dk, dv, dbeta, dg = launch_intra_bwd(qh, kh, vh, g_hi, g_lo, beta, tinv, h, dstate, ddelta, doh, kernel)
+    dstate, ddelta, dh0 = launch_state_bwd(q, k, g, beta, tinv, aqk, do, dht, meta, kernel, *per_sequence)
+    dq, dk, dv, dbeta, dg = launch_intra_bwd(q, k, v, g, beta, tinv, h, dstate, ddelta, do, kernel)
     if dh0 is not None:
         dh0 = _mask_empty(dh0, meta.empty).astype(h0.dtype)
-    (dg,) = clean_g_vjp(tokens_first(dg))
     return (
-        tokens_first(_group_sum(dq, kernel.group, q.dtype)),
-        tokens_first(_group_sum(dk, kernel.group, k.dtype)),
-        tokens_first(dv.astype(v.dtype)),
+        _group_sum(dq, value_heads, kernel.group, q.dtype),
+        _group_sum(dk, value_heads, kernel.group, k.dtype),
+        dv.astype(v.dtype),
         dg,
         dbeta,
         dh0,

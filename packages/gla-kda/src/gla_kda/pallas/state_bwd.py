@@ -13,7 +13,8 @@ any chunk of a grid step: their final-state cotangents and initial-state gradien
 A grid step takes m value heads (`BlockSizes.state_grad_heads_per_step`) whose chains of
 dependent products the scheduler interleaves, with the block layouts of the forward state kernel
 (`state`) so libtpu's static cost model estimates the kernel: q, k, dO are read and dstate,
-ddelta written token-major ([rows, m*D] blocks), and the head-major g, g_lo, beta, tinv and aqk
+g (raw per-step log decays, cleaned and cumsummed here as in the forward kernels) are read and
+dstate, ddelta written token-major ([rows, m*D] blocks), and the head-major beta, tinv and aqk
 are read as m one-head blocks.
 """
 
@@ -54,9 +55,9 @@ def state_bwd_kernel(
     packed: bool,
 ):
     """Blocks of n consecutive chunks (visited last to first) and m = `heads` value heads (head i of
-    the step at lanes i*K.. / i*V..): q, k [n*C, m*K] (input dtype); do [n*C, m*V]; m refs each
-    (one per head) of g, g_lo [n*C, K] (sub-block-local decay cumsum, hi and lo parts), beta
-    [n, 1, C], tinv [n*C, C] and aqk [n*C, C]; dht [m, K, V], or with `packed` sequences every
+    the step at lanes i*K.. / i*V..): q, k [n*C, m*K] (input dtype, non-finite entries read as 0);
+    g [n*C, m*K] raw per-step log decays (`chunk_math.Decays.of_steps`); do [n*C, m*V]; m refs each
+    (one per head) of beta [n, 1, C], tinv [n*C, C] and aqk [n*C, C]; dht [m, K, V], or with `packed` sequences every
     sequence's [N, HV, K, V] in HBM.
 
     Outputs: dstate [n*K, m*V] (gradient of the state after each chunk), ddelta [n*C, m*V],
@@ -65,14 +66,14 @@ def state_bwd_kernel(
     step's last chunk may end its sequence and only its first may start it.
     """
     refs = list(refs)
-    q_ref, k_ref, do_ref = refs[:3]
-    head_refs = [refs[3 + 5 * i : 8 + 5 * i] for i in range(heads)]  # g, g_lo, beta, tinv, aqk
-    rest = refs[3 + 5 * heads :]
+    q_ref, k_ref, g_ref, do_ref = refs[:4]
+    head_refs = [refs[4 + 3 * i : 7 + 3 * i] for i in range(heads)]  # beta, tinv, aqk
+    rest = refs[4 + 3 * heads :]
     dht_ref = rest.pop(0) if options.has_final_cotangent else None
     dstate_ref, ddelta_ref = rest.pop(0), rest.pop(0)
     dh0_ref = rest.pop(0) if options.emit_initial_grad else None
     grad_ref = rest.pop(0)
-    per_step = head_refs[0][2].shape[0]
+    per_step = head_refs[0][0].shape[0]
     c, key_dim, value_dim = config.blocks.chunk_size, grad_ref.shape[1], grad_ref.shape[2]
     sb = cm.SubBlocks(c, config.blocks.sub_chunk)
     t = pl.program_id(2)
@@ -102,11 +103,11 @@ def state_bwd_kernel(
         """What chunk n of head i needs besides dS: off the serial chain, formed next to its use
         (all of them formed first held m*n chunks of terms at once: 135k instead of 123k cycles
         at m = 2, B=1 T=1024 H=16)."""
-        g_ref, g_lo_ref, beta_ref, tinv_ref, aqk_ref = head_refs[i]
+        beta_ref, tinv_ref, aqk_ref = head_refs[i]
         rows, keys, values = pl.ds(n * c, c), pl.ds(i * key_dim, key_dim), pl.ds(i * value_dim, value_dim)
-        q = q_ref[rows, keys].astype(cm.F32) * config.scale
-        k = k_ref[rows, keys].astype(cm.F32)
-        decays = cm.Decays(g_ref[rows, :], sb, g_lo_ref[rows, :])
+        q = cm.finite(q_ref[rows, keys]) * config.scale
+        k = cm.finite(k_ref[rows, keys])
+        decays = cm.Decays.of_steps(g_ref[rows, keys], sb)
         beta = row_to_column(beta_ref[n])
         do = do_ref[rows, values]
         decay = jnp.exp(decays.cum)
@@ -147,7 +148,7 @@ def state_bwd_cost(batch, heads, num_chunks, c, k, v, itemsize):
     flops = steps * (2 * c * c * v + 2 * c * k * v * 3 + 2 * c * c * k)
     bytes_accessed = steps * (
         2 * c * k * itemsize
-        + 2 * c * k * 4
+        + c * k * 4
         + c * 4
         + c * c * (4 + itemsize)
         + c * v * itemsize
@@ -160,7 +161,6 @@ def launch_state_bwd(
     q,
     k,
     g,
-    g_lo,
     beta,
     tinv,
     aqk,
@@ -175,9 +175,9 @@ def launch_state_bwd(
     """Reverse-time state gradients.
 
     Args:
-      q, k: [B, Tp, H*K] (input dtype, token-major, non-finite entries zeroed); do: [B, Tp, HV*V]
-      (token-major); g, g_lo: [B, HV, Tp, K] float32 sub-block-local decay cumsum
-      (`layout.local_cumsum`); beta: [B, HV, NT, 1, C] float32;
+      q, k: [B, Tp, H*K] (input dtype, token-major, `layout.to_tokens`; non-finite entries read as 0);
+      g: [B, Tp, HV*K] float32 raw per-step log decays (token-major, cleaned as the forward kernels
+      clean them); do: [B, Tp, HV*V] (token-major); beta: [B, HV, NT, 1, C] float32;
       tinv, aqk: [B, HV, Tp, C] (`launch_intra`); dht: [N, HV, K, V] float32 or None;
       meta: `ChunkMeta`. states_per_row: N / B. varlen: sequences may start and end at any chunk
       (`PipelineConfig.varlen`): their states move by DMA (`sequence_states`).
@@ -193,14 +193,15 @@ def launch_state_bwd(
         states_per_row=states_per_row,
         varlen=varlen,
     )
-    args = (q, k, g, g_lo, beta, tinv, aqk, do, dht, meta.first, meta.last, meta.seq)
-    return fold_vmap(launch, args, in_axes=(0,) * 9 + (None,) * 3, out_axes=0)
+    args = (q, k, g, beta, tinv, aqk, do, dht, meta.first, meta.last, meta.seq)
+    return fold_vmap(launch, args, in_axes=(0,) * 8 + (None,) * 3, out_axes=0)
 
 
 def _launch_state_bwd(
-    q, k, g, g_lo, beta, tinv, aqk, do, dht, first, last, seq, *, config, emit_initial_grad, states_per_row, varlen
+    q, k, g, beta, tinv, aqk, do, dht, first, last, seq, *, config, emit_initial_grad, states_per_row, varlen
 ):
-    batch, heads, padded_len, key_dim = g.shape
+    batch, heads = beta.shape[:2]
+    padded_len, key_dim = g.shape[1], g.shape[2] // heads
     value_dim = do.shape[-1] // heads
     c = config.blocks.chunk_size
     num_chunks = padded_len // c
@@ -215,20 +216,19 @@ def _launch_state_bwd(
     head_specs, head_args = [], []
     for i in range(m):
         head_specs += [
-            pl.BlockSpec((None, None, rows, key_dim), head_index(i, m, 4, num_steps)),
-            pl.BlockSpec((None, None, rows, key_dim), head_index(i, m, 4, num_steps)),
             pl.BlockSpec((None, None, per_step, 1, c), head_index(i, m, 5, num_steps)),
             pl.BlockSpec((None, None, rows, c), head_index(i, m, 4, num_steps)),
             pl.BlockSpec((None, None, rows, c), head_index(i, m, 4, num_steps)),
         ]
-        head_args += [g, g_lo, beta, tinv, aqk]
+        head_args += [beta, tinv, aqk]
     in_specs = [
         token_block(rows, m * key_dim, config.group, num_steps),
         token_block(rows, m * key_dim, config.group, num_steps),
+        token_block(rows, m * key_dim, num_steps=num_steps),
         token_block(rows, m * value_dim, num_steps=num_steps),
         *head_specs,
     ]
-    args = [q, k, do, *head_args]
+    args = [q, k, g, do, *head_args]
     if dht is not None:
         in_specs.append(sequence_spec)
         args.append(dht)
