@@ -174,3 +174,9 @@ def head_index(head: int, heads: int, rank: int, num_steps: int | None = None):
         return (b, j * heads + head, t if num_steps is None else num_steps - 1 - t) + (0,) * (rank - 3)
 
     return index
+
+
+def head_block(*block: int):
+    """Block `block` (trailing dims) of a head-major `[B, HV, ...]` array for grid step (b, j, t) of a
+    (batch, value head, time) grid that walks time forwards: value head j, time block t."""
+    return pl.BlockSpec((None, None, *block), head_index(0, 1, 2 + len(block)))

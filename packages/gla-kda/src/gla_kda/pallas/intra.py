@@ -33,7 +33,7 @@ from gla_core.kit import (
     row_to_column,
 )
 from gla_kda.pallas import chunk_math as cm
-from gla_kda.pallas.config import KernelConfig, compiler_params, token_block
+from gla_kda.pallas.config import KernelConfig, compiler_params, head_block, token_block
 
 
 def intra_kernel(q_ref, k_ref, g_ref, beta_ref, table_ref, tinv_ref, aqk_ref, kk_ref, *, config: KernelConfig):
@@ -84,14 +84,6 @@ def intra_kernel(q_ref, k_ref, g_ref, beta_ref, table_ref, tinv_ref, aqk_ref, kk
         write_inverses(kk_ref[...].reshape(n, c, c))
 
 
-def head_index(b, j, t):
-    return (b, j, t, 0)
-
-
-def beta_index(b, j, t):
-    return (b, j, t, 0, 0)
-
-
 def intra_cost(batch, heads, num_chunks, c, k, s, itemsize):
     """Flops and bytes of `intra_kernel` over the whole grid: the two anchored gated products (gla-core's
     `intra_costs`) and the blocked inverse."""
@@ -127,7 +119,7 @@ def _launch_intra(q, k, g, beta, *, config: KernelConfig):
     rows = per_step * c
     qk_spec = token_block(rows, key_dim, config.group)
     table, table_spec = mask_table_inputs("key", c)
-    out_spec = pl.BlockSpec((None, None, rows, c), head_index)
+    out_spec = head_block(rows, c)
     tinv_shape = jax.ShapeDtypeStruct((batch, heads, padded_len, c), config.store_dtype)
     aqk_shape = jax.ShapeDtypeStruct((batch, heads, padded_len, c), config.store_dtype)
     with jax.named_scope("kda_intra"):
@@ -138,7 +130,7 @@ def _launch_intra(q, k, g, beta, *, config: KernelConfig):
                 qk_spec,
                 qk_spec,
                 token_block(rows, key_dim),
-                pl.BlockSpec((None, None, per_step, 1, c), beta_index),
+                head_block(per_step, 1, c),
                 *table_spec,
             ],
             out_specs=[out_spec, out_spec],

@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 
 from gla_core.kit import column_to_row, fold_vmap, row_to_column
 from gla_kda.pallas import chunk_math as cm
-from gla_kda.pallas.config import KernelConfig, compiler_params, token_block
+from gla_kda.pallas.config import KernelConfig, compiler_params, head_block, token_block
 from gla_kda.pallas.gated_grads import diagonals_in_range, gated_grads
 
 
@@ -200,14 +200,6 @@ def chunk_grads(p: ChunkProducts, config: KernelConfig, anchor_range: float | No
     return dq, dk, dv, dbeta, dg
 
 
-def beta_index(b, j, t):
-    return (b, j, t, 0, 0)
-
-
-def chunk_index(b, j, t):
-    return (b, j, t, 0)
-
-
 def intra_bwd_cost(batch, heads, num_chunks, c, k, v, s, itemsize):
     steps = batch * heads * num_chunks
     flops = steps * (2 * c * k * v * 4 + 2 * c * c * v * 4 + 2 * 2 * c * c * c + 8 * 2 * c * c * k + 8 * c * s * k)
@@ -255,7 +247,7 @@ def _launch_intra_bwd(q, k, v, g, beta, tinv, h, dstate, ddelta, do, *, config: 
     key_spec = token_block(rows, key_dim)
     value_spec = token_block(rows, value_dim)
     state_spec = token_block(per_step * key_dim, value_dim)
-    beta_spec = pl.BlockSpec((None, None, per_step, 1, c), beta_index)
+    beta_spec = head_block(per_step, 1, c)
     f32 = jnp.float32
     qk_grad_dtype = q.dtype if config.group == 1 else f32
     with jax.named_scope("kda_intra_bwd"):
@@ -268,7 +260,7 @@ def _launch_intra_bwd(q, k, v, g, beta, tinv, h, dstate, ddelta, do, *, config: 
                 value_spec,
                 key_spec,
                 beta_spec,
-                pl.BlockSpec((None, None, rows, c), chunk_index),
+                head_block(rows, c),
                 state_spec,
                 state_spec,
                 value_spec,

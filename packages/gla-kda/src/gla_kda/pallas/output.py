@@ -14,7 +14,7 @@ from jax.experimental import pallas as pl
 
 from gla_core.kit import fold_vmap
 from gla_kda.pallas import chunk_math as cm
-from gla_kda.pallas.config import KernelConfig, compiler_params, token_block
+from gla_kda.pallas.config import KernelConfig, compiler_params, head_block, token_block
 
 
 def output_kernel(q_ref, g_ref, h_ref, delta_ref, aqk_ref, o_ref, *, config: KernelConfig):
@@ -30,10 +30,6 @@ def output_kernel(q_ref, g_ref, h_ref, delta_ref, aqk_ref, o_ref, *, config: Ker
         inter = cm.dot(decayed_q, h_ref[pl.ds(n * key_dim, key_dim), :], config.mxu_dtype)
         intra = cm.dot(aqk_ref[rows, :], delta_ref[rows, :], config.mxu_dtype)
         o_ref[rows, :] = (inter + intra).astype(o_ref.dtype)
-
-
-def chunk_index(b, j, t):
-    return (b, j, t, 0)
 
 
 def output_cost(batch, heads, num_chunks, c, k, v, dtype, out_dtype):
@@ -74,7 +70,7 @@ def _launch_output(q, g, h, delta, aqk, *, config: KernelConfig, out_dtype):
                 token_block(rows, key_dim),
                 token_block(per_step * key_dim, value_dim),
                 token_block(rows, value_dim),
-                pl.BlockSpec((None, None, rows, c), chunk_index),
+                head_block(rows, c),
             ],
             out_specs=token_block(rows, value_dim),
             out_shape=jax.ShapeDtypeStruct((batch, padded_len, heads * value_dim), out_dtype),

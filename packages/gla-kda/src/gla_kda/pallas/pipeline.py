@@ -125,7 +125,7 @@ def _pipeline_bwd(config, residuals, cotangents):
     return (
         _group_sum(dq, value_heads, kernel.group, q.dtype),
         _group_sum(dk, value_heads, kernel.group, k.dtype),
-        dv.astype(v.dtype),
+        dv,
         dg,
         dbeta,
         dh0,
