@@ -74,26 +74,31 @@ class NonFiniteGuard:
         whole_state = (
             expand_value_heads(any_nonfinite(k)[..., None], heads)[..., 0] | any_nonfinite(g) | ~jnp.isfinite(beta)
         )  # [B, T, HV]
-        reaches_state = whole_state[..., None] | ~jnp.isfinite(v)  # [B, T, HV, V]
-        first = jnp.where(reaches_state, steps, _NO_STEP)
+        # The first step that reaches column c of the state: the earlier of the first step that reaches
+        # the whole state and the first non-finite v[..., c], each found on its own array (a [B, T, HV]
+        # flag broadcast over the value lanes would be relaid out first).
+        first_whole = jnp.where(whole_state, steps[..., 0], _NO_STEP)  # [B, T, HV]
+        first_column = jnp.where(jnp.isfinite(v), _NO_STEP, steps)  # [B, T, HV, V]
         if cu_seqlens is None:
-            first_bad = jnp.min(first, axis=1)  # [N = B, HV, V]
+            first_bad = jnp.minimum(jnp.min(first_column, axis=1), jnp.min(first_whole, axis=1)[..., None])
             sequence = None
         else:
             sequence = jnp.clip(jnp.searchsorted(cu_seqlens, steps[0, :, 0, 0], side="right") - 1, 0)  # [T]
-            first_bad = jax.ops.segment_min(first[0], sequence, num_segments=cu_seqlens.shape[0] - 1)  # [N, HV, V]
+            segments = cu_seqlens.shape[0] - 1
+            first_bad = jnp.minimum(
+                jax.ops.segment_min(first_column[0], sequence, num_segments=segments),
+                jax.ops.segment_min(first_whole[0], sequence, num_segments=segments)[..., None],
+            )  # [N, HV, V]
 
         def per_step(x):
             """[N, ...] per sequence -> [B, T or 1, ...] per step."""
             return x[:, None] if sequence is None else x[sequence][None]
 
-        if initial_state is None:
-            bad_initial = jnp.zeros(first_bad.shape, bool)
-        else:
-            bad_initial = any_nonfinite(initial_state, axis=2)  # [N, HV, V]
-        state = (steps >= per_step(first_bad)) | per_step(bad_initial)  # [B, T, HV, V]
+        if initial_state is not None:  # a non-finite initial column reaches it from the sequence's first step
+            first_bad = jnp.where(any_nonfinite(initial_state, axis=2), 0, first_bad)  # [N, HV, V]
+        state = steps >= per_step(first_bad)  # [B, T, HV, V]
         bad_query = expand_value_heads(any_nonfinite(q)[..., None], heads)  # [B, T, HV, 1]
-        guard = cls(output=state | bad_query, final=(bad_initial | (first_bad < _NO_STEP))[:, :, None, :])
+        guard = cls(output=state | bad_query, final=(first_bad < _NO_STEP)[:, :, None, :])
         clean = (q, k, v, g, beta, initial_state)
         return guard, tuple(None if x is None else zero_nonfinite(x) for x in clean)
 
