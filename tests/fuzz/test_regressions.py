@@ -583,6 +583,29 @@ NAN_CASES = [
         Spec("gla", seq_len=100, key_dim=40, value_dim=24, chunk_size=32, gate="log_sigmoid", seed=7),
         Poison("v", batch_row=0, step=45, head=1, dim=3),
     ),
+    # gla chunk: the masked outputs of an in-range step were formed only when its end state came out
+    # non-finite; a hard reset after the NaN v_34 left the state finite, and the unmasked product had
+    # carried the NaN into rows 0-33 of its column.
+    _case(
+        "nan-v-dropped-by-a-reset",
+        "gla-chunk",
+        Spec(
+            "gla",
+            seq_len=64,
+            num_heads=2,
+            key_dim=64,
+            value_dim=130,
+            dtype="bfloat16",
+            gate="weak",
+            resets=1,
+            cu_seqlens=(0, 51, 64, 64),
+            traced_cu_seqlens=True,
+            initial_state=True,
+            output_final_state=True,
+            seed=636,
+        ),
+        Poison("v", batch_row=0, step=34, head=0, dim=92),
+    ),
 ]
 
 

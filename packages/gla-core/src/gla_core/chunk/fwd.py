@@ -18,9 +18,9 @@ Per-key gates take a grid step at a time (`_step_kernel`, the math of `step_math
 of the step together, with the anchored products and the state chain reduced to elementwise
 updates. A step whose decays are out of the anchor range is recomputed with the blocked products,
 or the exact level products where even a sub-block is out of range (`products.recompute_products`;
-the level products every step when the anchor range is 0); one whose states come
-out non-finite (a non-finite v, which the unmasked products would carry into earlier rows) has its
-outputs formed again from the same products with the values masked. The chunk-by-chunk
+the level products every step when the anchor range is 0); one holding a non-finite value (which
+the unmasked products would carry into earlier rows) has its outputs formed again from the same
+products with the values masked. The chunk-by-chunk
 `_fwd_kernel` serves scalar gates.
 """
 

@@ -131,8 +131,8 @@ def run_forward(
 
     Calls `write(step, o)` (o `[M, C, V]` float32) with the anchored products (or, without an
     anchor range, the exact ones), and again under `pl.when` where needed: with the same products
-    and the values masked when the states came out non-finite (a non-finite v_s reaches earlier
-    rows through the zeros above the diagonal; a non-finite k_s only rows t >= s), so the rows
+    and the values masked when a value is not finite (a non-finite v_s reaches earlier rows
+    through the zeros above the diagonal; a non-finite k_s only rows t >= s), so the rows
     before it keep exactly their numbers; with the blocked or exact level products
     (`products.recompute_products`) when the step is out of the anchor range (the static estimate
     counts only the first call, see `anchored`).
@@ -152,7 +152,12 @@ def run_forward(
     step = forward_step(decays, AnchoredProducts(decays, dtype), q, k, v, start, dtype=dtype, edges=edges)
     write(step, outputs(step, v, scale=scale, dtype=dtype))
 
-    @pl.when(decays.in_range & jnp.logical_not(jnp.isfinite(jnp.sum(step.end))))
+    # The step's values themselves, not its end state: a hard reset later in the step can drop a
+    # non-finite v_s from the state (0 * v by a select, finite) while the unmasked product still
+    # carried it into the rows before s.
+    values_finite = jnp.max(jnp.where(jnp.isfinite(v.astype(jnp.float32)), 0.0, 1.0)) == 0.0
+
+    @pl.when(decays.in_range & jnp.logical_not(values_finite))
     def _masked():
         write(step, scale * (step.inter + causal_dot(step.scores, v, dtype)))
 
