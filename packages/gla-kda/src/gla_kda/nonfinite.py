@@ -80,15 +80,17 @@ class NonFiniteGuard:
         first_whole = jnp.where(whole_state, steps[..., 0], _NO_STEP)  # [B, T, HV]
         first_column = jnp.where(jnp.isfinite(v), _NO_STEP, steps)  # [B, T, HV, V]
         if cu_seqlens is None:
-            first_bad = jnp.minimum(jnp.min(first_column, axis=1), jnp.min(first_whole, axis=1)[..., None])
             sequence = None
         else:
             sequence = jnp.clip(jnp.searchsorted(cu_seqlens, steps[0, :, 0, 0], side="right") - 1, 0)  # [T]
-            segments = cu_seqlens.shape[0] - 1
-            first_bad = jnp.minimum(
-                jax.ops.segment_min(first_column[0], sequence, num_segments=segments),
-                jax.ops.segment_min(first_whole[0], sequence, num_segments=segments)[..., None],
-            )  # [N, HV, V]
+
+        def per_sequence_min(x):
+            """[B, T, ...] -> [N, ...]: the minimum over each sequence's steps."""
+            if sequence is None:
+                return jnp.min(x, axis=1)
+            return jax.ops.segment_min(x[0], sequence, num_segments=cu_seqlens.shape[0] - 1)
+
+        first_bad = jnp.minimum(per_sequence_min(first_column), per_sequence_min(first_whole)[..., None])  # [N, HV, V]
 
         def per_step(x):
             """[N, ...] per sequence -> [B, T or 1, ...] per step."""
