@@ -8,7 +8,7 @@ import pytest
 from jax.experimental import pallas as pl
 
 import gla_core
-from gla_core.tpu_checks import compile_for_tpu, export_for_tpu
+from gla_core.tpu_checks import compile_for_tpu, export_for_tpu, scoped_vmem_bytes
 
 ROWS, LANES, BLOCK = 1024, 128, 256
 
@@ -60,3 +60,27 @@ def test_compile_for_tpu_reports_each_kernel(chip):
     assert kernel.scoped_vmem_bytes > 0 and report.scoped_vmem_bytes == (kernel.scoped_vmem_bytes,)
     assert report.temp_bytes >= 0
     print(report.summary())
+
+
+def _mosaic_line(granted, used):
+    """A compiled Mosaic call's HLO line with scoped-memory configs [(memory space, offset, size)]."""
+
+    def regions(configs):
+        return ",".join(f'{{"memory_space":"{m}","offset":"{o}","size":"{s}"}}' for m, o, s in configs)
+
+    config = f'{{"scoped_memory_configs":[{regions(granted)}],"used_scoped_memory_configs":[{regions(used)}]}}'
+    return f'%k = f32[8]{{0}} custom-call(%a), custom_call_target="tpu_custom_call", backend_config={config}'
+
+
+@pytest.mark.parametrize(
+    ("granted", "used", "expected"),
+    [
+        ([("1", 0, 32 << 20)], [("1", 0, 17 << 20)], 17 << 20),
+        # XLA keeps the bottom 64 MiB for its own buffers: the op's region starts there.
+        ([("1", 64 << 20, 32 << 20)], [("1", 0, (64 + 17) << 20)], 17 << 20),
+        ([], [("1", 0, 4096)], 4096),
+    ],
+    ids=["from_zero", "above_xla_buffers", "no_grant_recorded"],
+)
+def test_scoped_vmem_bytes_counts_from_the_granted_offset(granted, used, expected):
+    assert scoped_vmem_bytes(_mosaic_line(granted, used)) == expected

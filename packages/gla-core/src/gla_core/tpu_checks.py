@@ -90,11 +90,22 @@ def is_mosaic_call(line: str) -> bool:
 
 
 def scoped_vmem_bytes(line: str) -> int:
-    """The scoped VMEM a Mosaic custom call (one line of compiled HLO text) reserved; 0 if it says none."""
+    """The scoped memory a Mosaic custom call (one line of compiled HLO text) uses; 0 if it says none.
+
+    XLA grants each op a scoped region (`scoped_memory_configs`: offset and size per memory
+    space) and reports the op's use as a region from address 0 (`used_scoped_memory_configs`).
+    When XLA keeps the bottom of VMEM for buffers of its own, the granted region starts above
+    them (e.g. at 64 MiB), and only the used region's part from the granted offset on is the op's.
+    """
     if "backend_config=" not in line:
         return 0
-    configs = _backend_config(line).get("used_scoped_memory_configs", [])
-    return sum(int(c.get("size", 0)) for c in configs)
+    config = _backend_config(line)
+    granted_offset = {c.get("memory_space"): int(c.get("offset", 0)) for c in config.get("scoped_memory_configs", [])}
+    used = 0
+    for region in config.get("used_scoped_memory_configs", []):
+        end = int(region.get("offset", 0)) + int(region.get("size", 0))
+        used += max(0, end - granted_offset.get(region.get("memory_space"), 0))
+    return used
 
 
 def kernel_reports(hlo_text: str) -> tuple[KernelReport, ...]:
