@@ -1,10 +1,10 @@
 """kda implementation `chunk`: the Pallas TPU chunk pipeline (FLA's chunk_kda).
 
 In XLA, before the kernels: L2 normalization of q and k (`gla_kda.l2norm`), the gate
-(`gla_kda.gate.kda_gate`) and its floor (`gla_kda.inputs.floor_log_decay`), the beta sigmoid,
-the non-finite input guard (`gla_kda.nonfinite`; the kernels zero the non-finite entries of q,
-k, v, g and floor g as they read them) and the varlen re-layout (q, k, v, g and o are otherwise
-read and written as token-major reshapes, `gla_kda.pallas.layout.to_tokens`).
+(`gla_kda.gate.kda_gate`), the beta sigmoid and the varlen re-layout (q, k, v, g and o are
+otherwise read and written as token-major reshapes, `gla_kda.pallas.layout.to_tokens`). The
+kernels floor g (`gla_kda.inputs.floor_log_decay`), read non-finite inputs as 0 and write NaN
+where the token-by-token recurrence is not finite (`gla_kda.pallas.poison`).
 Each of these carries its own gradient; the kernels and their backward live in
 `gla_kda.pallas` (`chunk_pipeline`, a `jax.custom_vjp`).
 
@@ -30,9 +30,8 @@ from gla_core.kit import (
 )
 from gla_kda.empty import empty_result, has_no_tokens
 from gla_kda.gate import kda_gate
-from gla_kda.inputs import beta_of, floor_log_decay
+from gla_kda.inputs import beta_of
 from gla_kda.l2norm import l2norm
-from gla_kda.nonfinite import NonFiniteGuard
 from gla_kda.pallas import layout as kl
 from gla_kda.pallas.config import (
     DEFAULT_CHUNKS_PER_STEP,
@@ -104,12 +103,6 @@ def kda_chunk(args):
         g = kda_gate(g, args.A_log, args.dt_bias, args.lower_bound, output_dtype=jnp.float32)
     g = g.astype(jnp.float32)
     beta = beta_of(args, jnp.float32)
-    # Only the guard's small masks, beta and the initial state are used from `build`: the kernels
-    # clean q, k, v and g themselves (`gla_kda.pallas.chunk_math.finite`, `clean_log_decay`).
-    guard, (_, _, _, _, beta, initial_state) = NonFiniteGuard.build(
-        q, k, v, floor_log_decay(g), beta, initial_state, cu_seqlens
-    )
-
     layout = kl.make_layout(seq_len, key_dim, value_dim, blocks.chunk_size, cu_seqlens, blocks.chunks_per_step)
     kp, vp = layout.key_pad, layout.value_pad
     config = PipelineConfig(
@@ -140,11 +133,11 @@ def kda_chunk(args):
     )
     o = kl.from_tokens(o, layout, num_value_heads, value_dim).astype(out_dtype)
     if not output_final_state:
-        return guard.apply(o)
+        return o, None
     ht = kl.unpad_state(ht, layout)
     if layout.varlen is not None:
         ht = layout.varlen.pass_through_empty(ht, initial_state)
-    return guard.apply(o, ht)
+    return o, ht
 
 
 INTERMEDIATE_STATES_REASON = (

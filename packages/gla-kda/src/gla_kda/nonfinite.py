@@ -1,10 +1,12 @@
-"""Non-finite inputs reach exactly the outputs the recurrence lets them reach, in the chunked forms.
+"""Non-finite inputs reach exactly the outputs the recurrence lets them reach, in the `xla` chunked form.
 
-The chunked forms (`xla`, `chunk`) mix the steps of a chunk in matmuls: a triangular matrix
+The chunked forms mix the steps of a chunk in matmuls: a triangular matrix
 times a tensor with a NaN in a later row gives 0 * NaN = NaN in the earlier rows too, so a NaN
 or Inf at step t would reach outputs before t. Instead, the non-finite inputs are replaced by
 zeros before the chunked computation (`NonFiniteGuard.build`), and afterwards the outputs the
-token-by-token recurrence would make non-finite are set to NaN (`NonFiniteGuard.apply`).
+token-by-token recurrence would make non-finite are set to NaN (`NonFiniteGuard.apply`). The Pallas
+`chunk` kernels apply the same rules inside (`gla_kda.pallas.poison`), without passes over the
+inputs and outputs in XLA.
 
 Which outputs those are follows from the recurrence (per sequence and value head, S [K, V]):
     S <- diag(exp(g_t)) S;  S <- S + beta_t k_t (v_t - S^T k_t)^T;  o_t = q_t^T S

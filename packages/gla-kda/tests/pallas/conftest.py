@@ -17,14 +17,17 @@ PRODUCTION_SHAPES = {
 PRODUCTION_NUM_SEQUENCES = 4
 
 
-def make_chunk_runner(case: Case, interpret: bool = True):
-    """`fn(**case.kwargs())` running `dispatch("kda", impl="chunk")` under one `jax.jit`.
+def make_chunk_runner(case: Case, interpret: bool = True, options: dict | None = None):
+    """`fn(**case.kwargs())` running `dispatch("kda", impl="chunk")` under one `jax.jit`, with the
+    implementation's per-call `options` (`impl_options={"chunk": options}`) when given.
 
     Non-array options are static; arrays, `cu_seqlens` included, are traced (as in training),
     so new boundaries with the same N and T reuse the compiled program. `fn.compiled_count()`
     tells how many programs the runner compiled.
     """
     static = {name: value for name, value in case.options.items() if not isinstance(value, jax.Array)}
+    if options is not None:
+        static["impl_options"] = {"chunk": options}
 
     @jax.jit
     def run(arrays):
@@ -80,8 +83,9 @@ def production_backward(q, k, v, g, beta, do, cu_seqlens=None):
 
 @pytest.fixture
 def chunk_runner(interpret):
-    """`chunk_runner(case) -> fn` for `gla_ref.testing.check_against_oracle(fn, case)` (interpret mode off TPU)."""
-    return lambda case: make_chunk_runner(case, interpret)
+    """`chunk_runner(case, options=None) -> fn` for `gla_ref.testing.check_against_oracle(fn, case)`
+    (interpret mode off TPU; `options`: the chunk implementation's per-call options)."""
+    return lambda case, options=None: make_chunk_runner(case, interpret, options)
 
 
 @pytest.fixture

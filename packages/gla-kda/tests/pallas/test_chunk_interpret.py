@@ -223,6 +223,15 @@ def test_nonfinite_inputs_reach_only_later_outputs(chunk_runner, nonfinite_case,
     nonfinite_check(chunk_runner(case), case, clean)
 
 
+@pytest.mark.parametrize("name", ["batch_heads_gate", "varlen_grouped"])
+def test_nonfinite_inputs_poison_across_grid_steps(chunk_runner, nonfinite_case, nonfinite_check, name):
+    """The same with one chunk and one value head per grid step: the state kernel carries the
+    columns a non-finite input reached from grid step to grid step (`gla_kda.pallas.poison`)."""
+    case, clean = nonfinite_case(name)
+    one_per_step = dict(chunks_per_step=1, grad_chunks_per_step=1, state_heads_per_step=1, state_grad_heads_per_step=1)
+    nonfinite_check(chunk_runner(case, one_per_step), case, clean)
+
+
 @pytest.mark.parametrize(
     "shape",
     [dict(batch=0, seq_len=20), dict(batch=2, seq_len=0), dict(seq_len=0, cu_seqlens=[0, 0, 0])],

@@ -38,9 +38,10 @@ from gla_kda.pallas.config import KernelConfig, compiler_params, head_block, tok
 
 def intra_kernel(q_ref, k_ref, g_ref, beta_ref, table_ref, tinv_ref, aqk_ref, kk_ref, *, config: KernelConfig):
     """Blocks of n chunks: q, k [n*C, K] input dtype; g [n*C, K] raw per-step log decays (cleaned
-    here, `chunk_math.clean_log_decay`); beta [n, 1, C]; table: gla-core's `KeyMaskTable`; outputs
-    tinv and aqk [n*C, C] in `config.store_dtype` (every reader multiplies them in the matrix-unit
-    dtype, so storing them rounded to it changes no result); scratch kk [n*C, C] float32.
+    here, `chunk_math.clean_log_decay`); beta [n, 1, C] (non-finite entries read as 0); table:
+    gla-core's `KeyMaskTable`; outputs tinv and aqk [n*C, C] in `config.store_dtype` (every reader
+    multiplies them in the matrix-unit dtype, so storing them rounded to it changes no result);
+    scratch kk [n*C, C] float32.
 
     The gated products take the first form valid for the step: anchored at each chunk's middle row,
     else exact between sub-blocks and anchored inside them (`BlockedProducts`, valid for decays
@@ -67,7 +68,7 @@ def intra_kernel(q_ref, k_ref, g_ref, beta_ref, table_ref, tinv_ref, aqk_ref, kk
     def write_inverses(kk):
         """Tinv of every chunk from its gated k k^T products kk [n, C, C]."""
         strict = cm.lower_mask(c, strict=True)
-        akks = [jnp.where(strict, row_to_column(beta_ref[i]) * kk[i], 0.0) for i in range(n)]
+        akks = [jnp.where(strict, row_to_column(cm.finite(beta_ref[i])) * kk[i], 0.0) for i in range(n)]
         for i, tinv in enumerate(cm.unit_lower_inverses(akks, sb, config.unroll, dtype)):
             tinv_ref[pl.ds(i * c, c), :] = tinv.astype(tinv_ref.dtype)
 

@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 
 from gla_core.kit import column_to_row, fold_vmap, row_to_column
 from gla_kda.pallas import chunk_math as cm
+from gla_kda.pallas import poison as nf
 from gla_kda.pallas.config import KernelConfig, compiler_params, head_block, token_block
 from gla_kda.pallas.gated_grads import diagonals_in_range, gated_grads
 
@@ -42,6 +43,7 @@ def intra_bwd_kernel(
     dstate_ref,
     ddelta_ref,
     do_ref,
+    poison_ref,
     dq_ref,
     dk_ref,
     dv_ref,
@@ -52,8 +54,9 @@ def intra_bwd_kernel(
 ):
     """Blocks of n chunks of one value head: q, k [n*C, K] (input dtype, non-finite entries read as 0);
     g [n*C, K] raw per-step log decays (cleaned and cumsummed here, `chunk_math.Decays.of_steps`);
-    v [n*C, V] (non-finite entries read as 0), ddelta, do [n*C, V]; beta [n, 1, C]; tinv [n*C, C];
-    h, dstate [n*K, V].
+    v [n*C, V] (non-finite entries read as 0), ddelta, do [n*C, V] (do poisoned here as the forward
+    poisoned o, from its poison rows [n*8, V]: `gla_kda.pallas.poison`); beta [n, 1, C] (non-finite
+    entries read as 0); tinv [n*C, C]; h, dstate [n*K, V].
 
     Outputs: dq, dk [n*C, K] (per value head, dq already multiplied by scale) and dv [n*C, V], each
     in its ref's dtype; dg [n*C, K] float32 with respect to the raw log decays (through their
@@ -68,18 +71,20 @@ def intra_bwd_kernel(
         products = []
         for n in chunks:
             rows, states = pl.ds(n * c, c), pl.ds(n * key_dim, key_dim)
+            raw_q = q_ref[rows, :]
+            do = nf.poison(do_ref[rows, :].astype(cm.F32), nf.chunk_row(poison_ref, n), nf.nonfinite_rows(raw_q))
             products.append(
                 chunk_products(
-                    cm.finite(q_ref[rows, :]) * config.scale,
+                    cm.finite(raw_q) * config.scale,
                     cm.finite(k_ref[rows, :]),
                     cm.finite(v_ref[rows, :]),
                     g_ref[rows, :],
-                    row_to_column(beta_ref[n]),
+                    row_to_column(cm.finite(beta_ref[n])),
                     tinv_ref[rows, :],
                     h_ref[states, :].astype(cm.F32),
                     dstate_ref[states, :].astype(cm.F32),
                     ddelta_ref[rows, :].astype(cm.F32),
-                    do_ref[rows, :].astype(cm.F32),
+                    do,
                     config,
                 )
             )
@@ -216,7 +221,7 @@ def intra_bwd_cost(batch, heads, num_chunks, c, k, v, s, itemsize):
     return pl.CostEstimate(flops=flops, transcendentals=transcendentals, bytes_accessed=bytes_accessed)
 
 
-def launch_intra_bwd(q, k, v, g, beta, tinv, h, dstate, ddelta, do, config: KernelConfig):
+def launch_intra_bwd(q, k, v, g, beta, tinv, h, dstate, ddelta, do, poison_rows, config: KernelConfig):
     """Per-chunk gradients, read and written in the forward's token-major layout (no transposed copies).
 
     Args:
@@ -225,17 +230,19 @@ def launch_intra_bwd(q, k, v, g, beta, tinv, h, dstate, ddelta, do, config: Kern
       beta: [B, HV, NT, 1, C]; tinv: [B, HV, Tp, C]; h: [B, NT*K, HV*V] (`state.launch_state`: rows
       n*K.. the state before chunk n, lanes j*V.. value head j); dstate: [B, NT*K, HV*V] (the same
       layout, the gradient of the state after chunk n) and ddelta, do: [B, Tp, HV*V] (token-major),
-      both from `state_bwd.launch_state_bwd`.
+      both from `state_bwd.launch_state_bwd`; poison_rows: [B, NT*8, HV*V] float32, the forward's
+      (`gla_kda.pallas.poison`).
     Returns: dq, dk [B, Tp, HV*K] (per value head, token-major; in q's dtype, or float32 when value
       heads share q/k heads and the caller sums them); dv [B, Tp, HV*V] in v's dtype; dg [B, Tp, HV*K]
       float32 with respect to the raw g; dbeta [B, HV, NT, 1, C] float32.
       Under `jax.vmap` the mapped axis folds into B (`gla_core.pallas_transforms.fold_vmap`).
     """
     launch = functools.partial(_launch_intra_bwd, config=config)
-    return fold_vmap(launch, (q, k, v, g, beta, tinv, h, dstate, ddelta, do), in_axes=(0,) * 10, out_axes=0)
+    args = (q, k, v, g, beta, tinv, h, dstate, ddelta, do, poison_rows)
+    return fold_vmap(launch, args, in_axes=(0,) * 11, out_axes=0)
 
 
-def _launch_intra_bwd(q, k, v, g, beta, tinv, h, dstate, ddelta, do, *, config: KernelConfig):
+def _launch_intra_bwd(q, k, v, g, beta, tinv, h, dstate, ddelta, do, poison_rows, *, config: KernelConfig):
     batch, heads = beta.shape[:2]
     padded_len, key_dim = g.shape[1], g.shape[2] // heads
     value_dim = v.shape[-1] // heads
@@ -265,6 +272,7 @@ def _launch_intra_bwd(q, k, v, g, beta, tinv, h, dstate, ddelta, do, *, config: 
                 state_spec,
                 value_spec,
                 value_spec,
+                token_block(per_step * nf.ROWS_PER_CHUNK, value_dim),
             ],
             out_specs=[key_spec, key_spec, value_spec, beta_spec, key_spec],
             out_shape=[
@@ -280,4 +288,4 @@ def _launch_intra_bwd(q, k, v, g, beta, tinv, h, dstate, ddelta, do, *, config: 
             ),
             interpret=config.interpret_arg,
             name="kda_intra_bwd",
-        )(q, k, v, g, beta, tinv, h, dstate, ddelta, do)
+        )(q, k, v, g, beta, tinv, h, dstate, ddelta, do, poison_rows)

@@ -1,6 +1,6 @@
 """The kda chunk pipeline, with its backward (`jax.custom_vjp`).
 
-Forward:  intra (Tinv, Aqk) -> state (h per chunk, delta, final states) -> output (o).
+Forward:  intra (Tinv, Aqk) -> state (h per chunk, delta, final states, poison rows) -> output (o).
 Backward: state again (h; nothing but the inputs, Tinv and Aqk is kept from the forward),
           or the forward's h with `keep_states` (FLA's disable_recompute)
           -> reverse state gradient (dS per chunk, ddelta, d initial_state)
@@ -12,7 +12,9 @@ Every kernel, forward and backward, reads q, k, v, dO and the raw per-step log d
 token-major (`layout.to_tokens`), writes its per-token results token-major, and does the input
 cleaning itself: non-finite entries zeroed (`nonfinite.zero_nonfinite`), g raised to its floor
 (`inputs.floor_log_decay`) and its sub-block-local cumsum (`chunk_math.Decays.of_steps`); the
-backward kernel differentiates the cleaning of g (`chunk_math.clean_log_decay_grad`).
+backward kernel differentiates the cleaning of g (`chunk_math.clean_log_decay_grad`). What the
+recurrence makes non-finite comes out NaN: the output kernel poisons o, the backward kernels dO
+(`poison`), and the pipeline the final states and their cotangents.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from gla_core.kit import first_order_only
+from gla_kda.pallas import poison as nf
 from gla_kda.pallas.config import KernelConfig
 from gla_kda.pallas.intra import launch_intra
 from gla_kda.pallas.intra_bwd import launch_intra_bwd
@@ -64,37 +67,67 @@ def _mask_empty(states, empty):
     return jnp.where(empty[:, None, None, None] == 1, 0.0, states)
 
 
+def _poisoned_states(states, columns):
+    """states [N, HV, K, V] with NaN in the columns `columns` [N, HV*V] bool."""
+    n, heads, _, value_dim = states.shape
+    return jnp.where(columns.reshape(n, heads, 1, value_dim), jnp.nan, states)
+
+
+def _clean_initial_state(h0):
+    """(h0 with non-finite entries 0, [N, HV*V] bool its non-finite columns), or (None, None)."""
+    if h0 is None:
+        return None, None
+    n, heads, _, value_dim = h0.shape
+    bad = jnp.any(~jnp.isfinite(h0), axis=2).reshape(n, heads * value_dim)
+    return jnp.where(jnp.isfinite(h0), h0, 0.0), bad
+
+
 def _forward(config: PipelineConfig, q, k, v, g, beta, h0, meta: ChunkMeta):
-    """Outputs and what the backward may keep: (Tinv, Aqk, h)."""
+    """Outputs and what the backward keeps: (h0 cleaned, Tinv, Aqk, h, poison rows, final columns)."""
     kernel = config.kernel
+    h0, initial_bad = _clean_initial_state(h0)
+    chunk_sequence = meta.seq if config.varlen else None
     tinv, aqk = launch_intra(q, k, g, beta, kernel)
     outputs = StateOutputs(
-        has_initial_state=config.has_initial_state, emit_delta=True, emit_final_state=config.output_final_state
+        has_initial_state=config.has_initial_state,
+        emit_delta=True,
+        emit_final_state=config.output_final_state,
+        emit_poison=True,
     )
-    h, delta, ht = launch_state(k, v, g, beta, tinv, h0, meta, kernel, outputs, config.states_per_row, config.varlen)
-    o = launch_output(q, g, h, delta, aqk, kernel, v.dtype)
+    h, delta, ht, poison_rows = launch_state(
+        k, v, g, beta, tinv, h0, meta, kernel, outputs, config.states_per_row, config.varlen
+    )
+    if initial_bad is not None:
+        poison_rows = nf.with_initial_state(poison_rows, initial_bad, chunk_sequence)
+    o = launch_output(q, g, h, delta, aqk, poison_rows, kernel, v.dtype)
+    final_bad = None
     if ht is not None:
-        ht = _mask_empty(ht, meta.empty)
-    return (o, ht), (tinv, aqk, h)
+        final_bad = nf.final_columns(poison_rows, kernel.blocks.chunk_size, meta.last, chunk_sequence, ht.shape[0])
+        if initial_bad is not None:
+            final_bad = final_bad | initial_bad
+        ht = _poisoned_states(_mask_empty(ht, meta.empty), final_bad)
+    return (o, ht), (h0, tinv, aqk, h, poison_rows, final_bad)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def chunk_pipeline(config: PipelineConfig, q, k, v, g, beta, h0, meta: ChunkMeta):
-    """(o [B, Tp, HV*V], final states [N, HV, K, V] float32 or None) in the kernel layout.
+    """(o [B, Tp, HV*V], final states [N, HV, K, V] float32 or None) in the kernel layout, NaN
+    where the token-by-token recurrence makes them non-finite (`gla_kda.pallas.poison`).
 
     Args:
       q, k: [B, Tp, H*K]; v: [B, Tp, HV*V] (token-major, `layout.to_tokens`; K, V multiples of
       128; may hold non-finite entries, read as 0); g: [B, Tp, HV*K] float32 per-step log
-      decay, not yet floored (may be -inf or non-finite); beta: [B, HV, NT, 1, C] float32
-      finite; h0: [N, HV, K, V] float32 finite or None;
+      decay, not yet floored (may be -inf or non-finite); beta: [B, HV, NT, 1, C] float32 and
+      h0: [N, HV, K, V] float32 or None (non-finite entries read as 0);
       meta: per-chunk metadata (not differentiated).
     """
     return _forward(config, q, k, v, g, beta, h0, meta)[0]
 
 
 def _pipeline_fwd(config, q, k, v, g, beta, h0, meta):
-    outputs, (tinv, aqk, h) = _forward(config, q, k, v, g, beta, h0, meta)
-    return outputs, (q, k, v, g, beta, h0, meta, tinv, aqk, h if config.keep_states else None)
+    outputs, (h0, tinv, aqk, h, poison_rows, final_bad) = _forward(config, q, k, v, g, beta, h0, meta)
+    kept_h = h if config.keep_states else None
+    return outputs, (q, k, v, g, beta, h0, meta, tinv, aqk, kept_h, poison_rows, final_bad)
 
 
 def _group_sum(x, value_heads: int, group: int, dtype):
@@ -108,18 +141,20 @@ def _group_sum(x, value_heads: int, group: int, dtype):
 
 
 def _pipeline_bwd(config, residuals, cotangents):
-    q, k, v, g, beta, h0, meta, tinv, aqk, h = residuals
+    q, k, v, g, beta, h0, meta, tinv, aqk, h, poison_rows, final_bad = residuals
     do, dht = cotangents
     kernel = config.kernel
     if h is None:
         recompute = StateOutputs(has_initial_state=config.has_initial_state, emit_delta=False, emit_final_state=False)
-        h, _, _ = launch_state(k, v, g, beta, tinv, h0, meta, kernel, recompute, config.states_per_row, config.varlen)
-    if dht is not None:
-        dht = _mask_empty(dht.astype(jnp.float32), meta.empty)
+        h, _, _, _ = launch_state(
+            k, v, g, beta, tinv, h0, meta, kernel, recompute, config.states_per_row, config.varlen
+        )
+    if dht is not None:  # the chain rule through the poisoned final states
+        dht = _poisoned_states(_mask_empty(dht.astype(jnp.float32), meta.empty), final_bad)
     value_heads = beta.shape[1]
     per_sequence = (config.has_initial_state, config.states_per_row, config.varlen)
-    dstate, ddelta, dh0 = launch_state_bwd(q, k, g, beta, tinv, aqk, do, dht, meta, kernel, *per_sequence)
-    dq, dk, dv, dbeta, dg = launch_intra_bwd(q, k, v, g, beta, tinv, h, dstate, ddelta, do, kernel)
+    dstate, ddelta, dh0 = launch_state_bwd(q, k, g, beta, tinv, aqk, do, poison_rows, dht, meta, kernel, *per_sequence)
+    dq, dk, dv, dbeta, dg = launch_intra_bwd(q, k, v, g, beta, tinv, h, dstate, ddelta, do, poison_rows, kernel)
     if dh0 is not None:
         dh0 = _mask_empty(dh0, meta.empty).astype(h0.dtype)
     return (

@@ -36,17 +36,20 @@ from jax.experimental.pallas import tpu as pltpu
 
 from gla_core.kit import KERNEL_VMEM_BUDGET_BYTES, fold_vmap, row_to_column
 from gla_kda.pallas import chunk_math as cm
+from gla_kda.pallas import poison as nf
 from gla_kda.pallas.config import KernelConfig, compiler_params, head_index, token_block
 from gla_kda.pallas.sequence_states import SequenceStates, state_spec
 
 
 @dataclasses.dataclass(frozen=True)
 class StateOutputs:
-    """Which optional outputs the state kernel produces."""
+    """Which optional outputs the state kernel produces (`emit_poison`: the chunks' poison rows,
+    `gla_kda.pallas.poison`)."""
 
     has_initial_state: bool
     emit_delta: bool
     emit_final_state: bool
+    emit_poison: bool = False
 
 
 def wy_delta(k, v, decays: cm.Decays, beta, tinv, state, dtype):
@@ -79,7 +82,9 @@ def state_kernel(
     [N, HV, K, V] in HBM.
 
     Outputs: h [n*K, m*V] (the state before each chunk), delta [n*C, m*V], ht [m, K, V] (`packed`:
-    [N, HV, K, V] in HBM); scratch states [m, K, V] float32, and with `packed` the DMA slot
+    [N, HV, K, V] in HBM), poison rows [n*8, m*V] (`gla_kda.pallas.poison`; non-finite k, v, g
+    and beta are read as 0 and found here); scratch states [m, K, V] float32, with poison rows the
+    columns poisoned so far [m, 1, V] float32 (1: poisoned), and with `packed` the DMA slot
     [m, K, V] float32. Without `packed` (one sequence per batch row) only the step's first chunk
     may start its sequence and only its last may end it.
     """
@@ -92,7 +97,9 @@ def state_kernel(
     h_ref = rest.pop(0)
     delta_ref = rest.pop(0) if outputs.emit_delta else None
     ht_ref = rest.pop(0) if outputs.emit_final_state else None
+    poison_ref = rest.pop(0) if outputs.emit_poison else None
     state_ref = rest.pop(0)
+    poisoned_ref = rest.pop(0) if outputs.emit_poison else None
     per_step = beta_refs[0].shape[0]
     c, key_dim, value_dim = config.blocks.chunk_size, state_ref.shape[1], state_ref.shape[2]
     sb = cm.SubBlocks(c, config.blocks.sub_chunk)
@@ -111,27 +118,38 @@ def state_kernel(
             state_ref[...] = jnp.zeros(state_ref.shape, state_ref.dtype)
         else:
             state_ref[...] = h0_ref[...].astype(cm.F32)
+        if poisoned_ref is not None:
+            poisoned_ref[...] = jnp.zeros(poisoned_ref.shape, poisoned_ref.dtype)
 
     states = [state_ref[i] for i in range(heads)]
+    poisoned = None if poisoned_ref is None else [poisoned_ref[i] for i in range(heads)]  # [1, V], 1: poisoned
     for n in range(per_step):
         rows = pl.ds(n * c, c)
         if sequences is not None:
             states = sequences.restart(t * per_step + n, states)
+            if poisoned is not None:
+                starts = first_ref[t * per_step + n]
+                poisoned = [jnp.where(jnp.full(p.shape, starts, jnp.int32) == 1, 0.0, p) for p in poisoned]
         for i in range(heads):  # independent chains: the scheduler interleaves them
             keys, values = pl.ds(i * key_dim, key_dim), pl.ds(i * value_dim, value_dim)
             h_ref[pl.ds(n * key_dim, key_dim), values] = states[i].astype(h_ref.dtype)
-            k = cm.finite(k_ref[rows, keys])
+            raw_k, raw_v, raw_beta = k_ref[rows, keys], v_ref[rows, values], beta_refs[i][n]
             decays = cm.Decays.of_steps(g_ref[rows, keys], sb)
-            beta = row_to_column(beta_refs[i][n])
-            v = cm.finite(v_ref[rows, values])
+            k, v, beta = cm.finite(raw_k), cm.finite(raw_v), row_to_column(cm.finite(raw_beta))
             delta = wy_delta(k, v, decays, beta, tinv_refs[i][rows, :], states[i], config.mxu_dtype)
             if delta_ref is not None:
                 delta_ref[rows, values] = delta.astype(delta_ref.dtype)
             states[i] = advance_state(k, decays, delta, states[i], config.mxu_dtype)
+            if poisoned is not None:
+                row = nf.chunk_poison(raw_k, g_ref[rows, keys], raw_beta, raw_v, poisoned[i])
+                nf.write_chunk_row(poison_ref, n, values, row)
+                poisoned[i] = jnp.where(row < c, 1.0, 0.0)
         if sequences is not None:
             sequences.emit(t * per_step + n, states)
     for i in range(heads):
         state_ref[i] = states[i]
+        if poisoned is not None:
+            poisoned_ref[i] = poisoned[i]
     if ht_ref is not None and not packed:
 
         @pl.when(last_ref[t * per_step + per_step - 1] == 1)
@@ -165,14 +183,15 @@ def launch_state(
     Args:
       k: [B, Tp, H*K]; v: [B, Tp, HV*V] (input dtype, token-major, `layout.to_tokens`; K and V
       multiples of 128); g: [B, Tp, HV*K] float32 raw per-step log decays;
-      beta: [B, HV, NT, 1, C] float32; tinv: [B, HV, Tp, C] (`launch_intra`);
+      beta: [B, HV, NT, 1, C] float32 (non-finite entries read as 0); tinv: [B, HV, Tp, C] (`launch_intra`);
       h0: [N, HV, K, V] float32 or None; meta: `ChunkMeta` (first, last, seq int32 [NT]).
       states_per_row: N / B (1, or the number of packed sequences of the one varlen row).
       varlen: sequences may start and end at any chunk (`PipelineConfig.varlen`): their states
       move by DMA (`sequence_states`).
     Returns:
       (h [B, NT*K, HV*V] (rows n*K.. hold the state before chunk n; lanes j*V.. value head j),
-      delta [B, Tp, HV*V] (token-major) or None, ht [N, HV, K, V] float32 or None).
+      delta [B, Tp, HV*V] (token-major) or None, ht [N, HV, K, V] float32 or None, poison rows
+      [B, NT*8, HV*V] float32 or None, without the initial state's columns: `poison`).
       Under `jax.vmap` the mapped axis folds into B and N (`gla_core.pallas_transforms.fold_vmap`).
     """
     launch = functools.partial(
@@ -211,12 +230,19 @@ def _launch_state(k, v, g, beta, tinv, h0, first, last, seq, *, config, outputs,
     if outputs.emit_final_state:
         out_specs.append(sequence_spec)
         out_shape.append(jax.ShapeDtypeStruct((num_states, heads, key_dim, value_dim), jnp.float32))
+    scratch_shapes = [pltpu.VMEM((m, key_dim, value_dim), jnp.float32)]
+    if outputs.emit_poison:
+        out_specs.append(token_block(per_step * nf.ROWS_PER_CHUNK, m * value_dim))
+        out_shape.append(jax.ShapeDtypeStruct((batch, num_chunks * nf.ROWS_PER_CHUNK, heads * value_dim), jnp.float32))
+        scratch_shapes.append(pltpu.VMEM((m, 1, value_dim), jnp.float32))
+    if varlen:
+        scratch_shapes.append(pltpu.VMEM((m, key_dim, value_dim), jnp.float32))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
         grid=(batch, heads // m, num_chunks // per_step),
         in_specs=in_specs,
         out_specs=out_specs,
-        scratch_shapes=[pltpu.VMEM((m, key_dim, value_dim), jnp.float32)] * (2 if varlen else 1),
+        scratch_shapes=scratch_shapes,
     )
     kernel = functools.partial(
         state_kernel, config=config, outputs=outputs, heads=m, states_per_row=states_per_row, packed=varlen
@@ -235,4 +261,5 @@ def _launch_state(k, v, g, beta, tinv, h0, first, last, seq, *, config, outputs,
     h = results.pop(0)
     delta = results.pop(0) if outputs.emit_delta else None
     ht = results.pop(0) if outputs.emit_final_state else None
-    return h, delta, ht
+    poison_rows = results.pop(0) if outputs.emit_poison else None
+    return h, delta, ht, poison_rows

@@ -30,6 +30,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from gla_core.kit import KERNEL_VMEM_BUDGET_BYTES, fold_vmap, row_to_column
 from gla_kda.pallas import chunk_math as cm
+from gla_kda.pallas import poison as nf
 from gla_kda.pallas.config import KernelConfig, compiler_params, head_index, token_block
 from gla_kda.pallas.sequence_states import SequenceStates, state_spec
 from gla_kda.pallas.state import heads_per_step
@@ -56,8 +57,10 @@ def state_bwd_kernel(
 ):
     """Blocks of n consecutive chunks (visited last to first) and m = `heads` value heads (head i of
     the step at lanes i*K.. / i*V..): q, k [n*C, m*K] (input dtype, non-finite entries read as 0);
-    g [n*C, m*K] raw per-step log decays (`chunk_math.Decays.of_steps`); do [n*C, m*V]; m refs each
-    (one per head) of beta [n, 1, C], tinv [n*C, C] and aqk [n*C, C]; dht [m, K, V], or with `packed` sequences every
+    g [n*C, m*K] raw per-step log decays (`chunk_math.Decays.of_steps`); do [n*C, m*V] (poisoned
+    here as the forward poisoned o: `gla_kda.pallas.poison`) and its poison rows [n*8, m*V]; m refs
+    each (one per head) of beta [n, 1, C] (non-finite entries read as 0), tinv [n*C, C] and aqk
+    [n*C, C]; dht [m, K, V], or with `packed` sequences every
     sequence's [N, HV, K, V] in HBM.
 
     Outputs: dstate [n*K, m*V] (gradient of the state after each chunk), ddelta [n*C, m*V],
@@ -66,9 +69,9 @@ def state_bwd_kernel(
     step's last chunk may end its sequence and only its first may start it.
     """
     refs = list(refs)
-    q_ref, k_ref, g_ref, do_ref = refs[:4]
-    head_refs = [refs[4 + 3 * i : 7 + 3 * i] for i in range(heads)]  # beta, tinv, aqk
-    rest = refs[4 + 3 * heads :]
+    q_ref, k_ref, g_ref, do_ref, poison_ref = refs[:5]
+    head_refs = [refs[5 + 3 * i : 8 + 3 * i] for i in range(heads)]  # beta, tinv, aqk
+    rest = refs[5 + 3 * heads :]
     dht_ref = rest.pop(0) if options.has_final_cotangent else None
     dstate_ref, ddelta_ref = rest.pop(0), rest.pop(0)
     dh0_ref = rest.pop(0) if options.emit_initial_grad else None
@@ -105,11 +108,12 @@ def state_bwd_kernel(
         at m = 2, B=1 T=1024 H=16)."""
         beta_ref, tinv_ref, aqk_ref = head_refs[i]
         rows, keys, values = pl.ds(n * c, c), pl.ds(i * key_dim, key_dim), pl.ds(i * value_dim, value_dim)
-        q = cm.finite(q_ref[rows, keys]) * config.scale
+        raw_q = q_ref[rows, keys]
+        q = cm.finite(raw_q) * config.scale
         k = cm.finite(k_ref[rows, keys])
         decays = cm.Decays.of_steps(g_ref[rows, keys], sb)
-        beta = row_to_column(beta_ref[n])
-        do = do_ref[rows, values]
+        beta = row_to_column(cm.finite(beta_ref[n]))
+        do = nf.poison(do_ref[rows, values], nf.chunk_row(poison_ref, n, values), nf.nonfinite_rows(raw_q))
         decay = jnp.exp(decays.cum)
         return (
             cm.dot(aqk_ref[rows, :], do, dtype, trans_a=True),
@@ -165,6 +169,7 @@ def launch_state_bwd(
     tinv,
     aqk,
     do,
+    poison_rows,
     dht,
     meta,
     config: KernelConfig,
@@ -177,7 +182,8 @@ def launch_state_bwd(
     Args:
       q, k: [B, Tp, H*K] (input dtype, token-major, `layout.to_tokens`; non-finite entries read as 0);
       g: [B, Tp, HV*K] float32 raw per-step log decays (token-major, cleaned as the forward kernels
-      clean them); do: [B, Tp, HV*V] (token-major); beta: [B, HV, NT, 1, C] float32;
+      clean them); do: [B, Tp, HV*V] (token-major) and the forward's poison rows [B, NT*8, HV*V]
+      (`gla_kda.pallas.poison`); beta: [B, HV, NT, 1, C] float32 (non-finite entries read as 0);
       tinv, aqk: [B, HV, Tp, C] (`launch_intra`); dht: [N, HV, K, V] float32 or None;
       meta: `ChunkMeta`. states_per_row: N / B. varlen: sequences may start and end at any chunk
       (`PipelineConfig.varlen`): their states move by DMA (`sequence_states`).
@@ -193,12 +199,28 @@ def launch_state_bwd(
         states_per_row=states_per_row,
         varlen=varlen,
     )
-    args = (q, k, g, beta, tinv, aqk, do, dht, meta.first, meta.last, meta.seq)
-    return fold_vmap(launch, args, in_axes=(0,) * 8 + (None,) * 3, out_axes=0)
+    args = (q, k, g, beta, tinv, aqk, do, poison_rows, dht, meta.first, meta.last, meta.seq)
+    return fold_vmap(launch, args, in_axes=(0,) * 9 + (None,) * 3, out_axes=0)
 
 
 def _launch_state_bwd(
-    q, k, g, beta, tinv, aqk, do, dht, first, last, seq, *, config, emit_initial_grad, states_per_row, varlen
+    q,
+    k,
+    g,
+    beta,
+    tinv,
+    aqk,
+    do,
+    poison_rows,
+    dht,
+    first,
+    last,
+    seq,
+    *,
+    config,
+    emit_initial_grad,
+    states_per_row,
+    varlen,
 ):
     batch, heads = beta.shape[:2]
     padded_len, key_dim = g.shape[1], g.shape[2] // heads
@@ -226,9 +248,10 @@ def _launch_state_bwd(
         token_block(rows, m * key_dim, config.group, num_steps),
         token_block(rows, m * key_dim, num_steps=num_steps),
         token_block(rows, m * value_dim, num_steps=num_steps),
+        token_block(per_step * nf.ROWS_PER_CHUNK, m * value_dim, num_steps=num_steps),
         *head_specs,
     ]
-    args = [q, k, g, do, *head_args]
+    args = [q, k, g, do, poison_rows, *head_args]
     if dht is not None:
         in_specs.append(sequence_spec)
         args.append(dht)

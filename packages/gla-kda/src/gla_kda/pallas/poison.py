@@ -1,0 +1,109 @@
+"""Non-finite inputs reach exactly the outputs the recurrence lets them reach, inside the kernels.
+
+The kernels read every input cleaned (non-finite entries as 0, `chunk_math.finite`): the matrix
+products of a chunk would otherwise carry a NaN at step t to the rows before t (0 * NaN). What the
+recurrence would make non-finite is put back as NaN where the outputs are written (the rules are
+`gla_kda.nonfinite`'s, which the `xla` implementation applies outside its chunked form):
+  - a non-finite k_t, beta_t or g_t (NaN or +inf; -inf is a hard reset) reaches every column of
+    the state from step t on, a non-finite v_t[c] column c, a non-finite column of the initial
+    state column c from the sequence's first step: column c of o from the first such step on;
+  - a non-finite q_t reaches o_t only.
+The state kernel finds, per chunk and value column, the first row of the chunk from which the
+state's column is non-finite (the chunk's *poison row*: 0 when it already is at the chunk's start,
+C when it stays finite); the output kernel writes NaN from there on and in the rows of a non-finite
+q. The backward kernels poison dO in the same places as they read it, which is what the chain rule
+through `o * NaN` gives, so the gradients of a poisoned sequence and head carry NaN as the
+recurrence's own backward would.
+
+Poison rows are float32 [B, NT * 8, HV * V]: chunk n's row of value head j at rows 8n..8n+7
+(repeated, one (8, 128) tile per chunk and head), lanes j*V...
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+ROWS_PER_CHUNK = 8
+
+
+def _finite(x):
+    return jnp.abs(x.astype(jnp.float32)) < jnp.inf
+
+
+def nonfinite_rows(x):
+    """[C, D] -> [C, 1] bool: the row holds a NaN or an infinity."""
+    bad = jnp.where(_finite(x), 0.0, 1.0)
+    return jnp.max(bad, axis=1, keepdims=True) > 0.0
+
+
+def _first(bad, axis: int):
+    """The first index along `axis` where `bad` (its length when none), float32, that axis kept as 1."""
+    index = jax.lax.broadcasted_iota(jnp.int32, bad.shape, axis).astype(jnp.float32)
+    return jnp.min(jnp.where(bad, index, float(bad.shape[axis])), axis=axis, keepdims=True)
+
+
+def chunk_poison(k, g, beta, v, poisoned_before):
+    """The chunk's poison row [1, V] float32: the first row from which column c of the state is
+    non-finite (0 where it already was before the chunk, C when it stays finite).
+
+    Args:
+      k: [C, K] raw keys; g: [C, K] raw log decays (NaN or +inf poison; -inf is a hard reset);
+      beta: [1, C] raw; v: [C, V] raw values; poisoned_before: [1, V] float32, 1 where the column
+        was poisoned before the chunk, else 0 (float flags: Mosaic relayouts of one-row boolean
+        vectors do not lower).
+    """
+    # The first step that reaches every column: per key lane, then over the lanes (one lane
+    # reduction of one row instead of one per row).
+    key_first = jnp.min(_first(~_finite(k) | ~(g < jnp.inf), axis=0), axis=1, keepdims=True)  # [1, 1]
+    every_column = jnp.minimum(key_first, _first(~_finite(beta), axis=1))  # [1, 1]
+    first = jnp.minimum(_first(~_finite(v), axis=0), every_column)  # [1, V]
+    return jnp.where(poisoned_before > 0.0, 0.0, first)
+
+
+def poison(x, poison_row, bad_rows):
+    """x [C, V] with NaN in column c from row `poison_row[c]` [1, V] on and in `bad_rows` [C, 1]."""
+    rows = jax.lax.broadcasted_iota(jnp.int32, x.shape, 0).astype(jnp.float32)
+    return jnp.where((rows >= poison_row) | bad_rows, jnp.nan, x)
+
+
+def chunk_row(poison_ref, n: int, lanes=slice(None)):
+    """Chunk n's poison row [1, V] from a kernel's poison block [chunks * 8, lanes]."""
+    return poison_ref[pl.ds(n * ROWS_PER_CHUNK, 1), lanes]
+
+
+def write_chunk_row(poison_ref, n: int, lanes, row):
+    """Stores chunk n's poison row [1, V] (as its 8 rows) into a kernel's poison block."""
+    poison_ref[pl.ds(n * ROWS_PER_CHUNK, ROWS_PER_CHUNK), lanes] = jnp.broadcast_to(row, (ROWS_PER_CHUNK, row.shape[1]))
+
+
+def with_initial_state(poison_rows, initial_bad, chunk_sequence):
+    """XLA side: poison rows [B, NT*8, HV*V] with every chunk of a sequence whose initial state has
+    a non-finite column poisoned in that column from its first row.
+
+    Args:
+      initial_bad: [N, HV*V] bool, column c of sequence n's initial state is non-finite.
+      chunk_sequence: [NT] int32, each chunk's sequence (packed, B = 1), or None (N = B).
+    """
+    if chunk_sequence is None:
+        per_chunk = initial_bad[:, None, :]
+    else:
+        per_chunk = jnp.repeat(initial_bad[chunk_sequence], ROWS_PER_CHUNK, axis=0)[None]
+    return jnp.where(per_chunk, 0.0, poison_rows)
+
+
+def final_columns(poison_rows, chunk_size: int, last, chunk_sequence, num_states: int):
+    """XLA side: [N, HV*V] bool, column c of sequence n's final state is non-finite (its last
+    chunk's poison row is below C; poison rows from `with_initial_state`).
+
+    Args:
+      last: [NT] int32, 1 where a chunk ends its sequence.
+      chunk_sequence: [NT] int32, each chunk's sequence (packed, B = 1), or None (N = B: the
+        row's last chunk ends it).
+    """
+    ends_poisoned = poison_rows[:, ::ROWS_PER_CHUNK] < chunk_size  # [B, NT, HV*V]
+    if chunk_sequence is None:
+        return ends_poisoned[:, -1]
+    counted = jnp.where((last == 1)[:, None], ends_poisoned[0], False).astype(jnp.int32)  # [NT, HV*V]
+    return jax.ops.segment_sum(counted, chunk_sequence, num_segments=num_states) > 0
