@@ -100,17 +100,18 @@ def _to_slots(x, layout: KernelLayout):
 
 
 def to_tokens(x, layout: KernelLayout, dim_pad: int):
-    """[B, T, H, D] -> token-major [B, Tp, H*Dp] (a reshape when Tp = T, Dp = D and not varlen)."""
-    x = pad_axis(_to_slots(x, layout), 3, dim_pad)
-    return x.reshape(x.shape[0], x.shape[1], -1)
+    """[B, T, H, D] -> token-major [B, Tp, H*Dp] (a reshape when Tp = T, Dp = D and not varlen).
+
+    The rows move to their slots after the reshape: a gather of whole [H*Dp] rows that XLA fuses
+    with the slot mask, instead of a gather of [H, Dp] tiles then a relayout of its result."""
+    x = pad_axis(x, 3, dim_pad)
+    return _to_slots(x.reshape(x.shape[0], x.shape[1], -1), layout)
 
 
 def from_tokens(y, layout: KernelLayout, heads: int, dim: int):
-    """Token-major [B, Tp, H*Dp] -> [B, T, H, D]."""
-    y = y.reshape(y.shape[0], y.shape[1], heads, -1)[..., :dim]
-    if layout.varlen is not None:
-        return from_chunks(y, layout.varlen)
-    return y[:, : layout.seq_len]
+    """Token-major [B, Tp, H*Dp] -> [B, T, H, D] (whole rows gathered back before the reshape)."""
+    y = y[:, : layout.seq_len] if layout.varlen is None else from_chunks(y, layout.varlen)
+    return y.reshape(y.shape[0], y.shape[1], heads, -1)[..., :dim]
 
 
 def beta_to_kernel(beta, layout: KernelLayout):
