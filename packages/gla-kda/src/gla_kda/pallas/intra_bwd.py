@@ -72,7 +72,7 @@ def intra_bwd_kernel(
         for n in chunks:
             rows, states = pl.ds(n * c, c), pl.ds(n * key_dim, key_dim)
             raw_q = q_ref[rows, :]
-            do = nf.poison(do_ref[rows, :].astype(cm.F32), nf.chunk_row(poison_ref, n), nf.nonfinite_rows(raw_q))
+            do = nf.poison_chunk(do_ref[rows, :].astype(cm.F32), poison_ref, n, raw_q)
             products.append(
                 chunk_products(
                     cm.finite(raw_q) * config.scale,

@@ -32,7 +32,7 @@ def output_kernel(q_ref, g_ref, h_ref, delta_ref, aqk_ref, poison_ref, o_ref, *,
         decayed_q = q * jnp.exp(cm.Decays.of_steps(g_ref[rows, :], sb, compensated=False).cum)
         inter = cm.dot(decayed_q, h_ref[pl.ds(n * key_dim, key_dim), :], config.mxu_dtype)
         intra = cm.dot(aqk_ref[rows, :], delta_ref[rows, :], config.mxu_dtype)
-        o = nf.poison(inter + intra, nf.chunk_row(poison_ref, n), nf.nonfinite_rows(raw_q))
+        o = nf.poison_chunk(inter + intra, poison_ref, n, raw_q)
         o_ref[rows, :] = o.astype(o_ref.dtype)
 
 

@@ -62,15 +62,13 @@ def chunk_poison(k, g, beta, v, poisoned_before):
     return jnp.where(poisoned_before > 0.0, 0.0, first)
 
 
-def poison(x, poison_row, bad_rows):
-    """x [C, V] with NaN in column c from row `poison_row[c]` [1, V] on and in `bad_rows` [C, 1]."""
+def poison_chunk(x, poison_ref, n: int, q, lanes=slice(None)):
+    """x [C, V] (chunk n's o or dO) with NaN in column c from its poison row's entry on, and in the
+    rows where q [C, K] (raw) is not finite; the poison row is chunk n's in a kernel's poison
+    block [chunks * 8, lanes]."""
+    poison_row = poison_ref[pl.ds(n * ROWS_PER_CHUNK, 1), lanes]  # [1, V]
     rows = jax.lax.broadcasted_iota(jnp.int32, x.shape, 0).astype(jnp.float32)
-    return jnp.where((rows >= poison_row) | bad_rows, jnp.nan, x)
-
-
-def chunk_row(poison_ref, n: int, lanes=slice(None)):
-    """Chunk n's poison row [1, V] from a kernel's poison block [chunks * 8, lanes]."""
-    return poison_ref[pl.ds(n * ROWS_PER_CHUNK, 1), lanes]
+    return jnp.where((rows >= poison_row) | nonfinite_rows(q), jnp.nan, x)
 
 
 def write_chunk_row(poison_ref, n: int, lanes, row):

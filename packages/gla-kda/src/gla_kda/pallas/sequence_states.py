@@ -72,10 +72,17 @@ class SequenceStates:
 
         restarted = []
         for i, state in enumerate(states):
-            starts = jnp.full(state.shape, self.starts_ref[chunk], jnp.int32) == 1
             entering = 0.0 if self.entering_ref is None else self.slot_ref[i]  # stale where it does not start
-            restarted.append(jnp.where(starts, entering, state))
+            restarted.append(jnp.where(self._starts(chunk, state.shape), entering, state))
         return restarted
+
+    def reset(self, chunk, carries: list[jax.Array]) -> list[jax.Array]:
+        """`carries` (float32, one per head) as zeros where `chunk` starts a sequence."""
+        return [jnp.where(self._starts(chunk, carry.shape), 0.0, carry) for carry in carries]
+
+    def _starts(self, chunk, shape):
+        """bool `shape`: `chunk` starts a sequence (a full vector: Mosaic selects no scalar masks)."""
+        return jnp.full(shape, self.starts_ref[chunk], jnp.int32) == 1
 
     def emit(self, chunk, states: list[jax.Array]) -> None:
         """Writes `states` [K, V] (one per head, after `chunk`'s update) where `chunk` ends a sequence."""

@@ -128,8 +128,7 @@ def state_kernel(
         if sequences is not None:
             states = sequences.restart(t * per_step + n, states)
             if poisoned is not None:
-                starts = first_ref[t * per_step + n]
-                poisoned = [jnp.where(jnp.full(p.shape, starts, jnp.int32) == 1, 0.0, p) for p in poisoned]
+                poisoned = sequences.reset(t * per_step + n, poisoned)
         for i in range(heads):  # independent chains: the scheduler interleaves them
             keys, values = pl.ds(i * key_dim, key_dim), pl.ds(i * value_dim, value_dim)
             h_ref[pl.ds(n * key_dim, key_dim), values] = states[i].astype(h_ref.dtype)

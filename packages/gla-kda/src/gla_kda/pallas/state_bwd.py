@@ -113,7 +113,7 @@ def state_bwd_kernel(
         k = cm.finite(k_ref[rows, keys])
         decays = cm.Decays.of_steps(g_ref[rows, keys], sb)
         beta = row_to_column(cm.finite(beta_ref[n]))
-        do = nf.poison(do_ref[rows, values], nf.chunk_row(poison_ref, n, values), nf.nonfinite_rows(raw_q))
+        do = nf.poison_chunk(do_ref[rows, values], poison_ref, n, raw_q, values)
         decay = jnp.exp(decays.cum)
         return (
             cm.dot(aqk_ref[rows, :], do, dtype, trans_a=True),
