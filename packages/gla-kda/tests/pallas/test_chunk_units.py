@@ -230,6 +230,35 @@ def test_local_cumsum_is_compensated_and_cleans_its_input():
     )
 
 
+def _uncompensated_decays(g):
+    """(exp(G), exp(G_last - G)) [C, K] as the state kernels form them from an uncompensated
+    cumsum (`KernelConfig.compensated_decays` False), in a Pallas call in TPU interpret mode."""
+
+    def kernel(g_ref, decay_ref, to_end_ref):
+        decays = cm.Decays.of_steps(g_ref[...], cm.SubBlocks(C, S), compensated=False)
+        decay_ref[...], to_end_ref[...] = jnp.exp(decays.cum), jnp.exp(decays.to_end)
+
+    out = jax.ShapeDtypeStruct((C, K), jnp.float32)
+    return pl.pallas_call(kernel, out_shape=[out, out], interpret=pltpu.InterpretParams())(jnp.asarray(g, jnp.float32))
+
+
+@pytest.mark.parametrize("strong_steps", [8, 12])
+def test_uncompensated_decays_err_below_bfloat16_rounding(strong_steps):
+    """Without the compensation, exp(G) and exp(G_last - G) stay within `uncompensated_decays` of
+    float64, worst where a sub-block's first steps sit near the floor and the rest are weak (a
+    cumsum of about -800 behind decays of order 1)."""
+    rng = np.random.default_rng(strong_steps)
+    g = -rng.uniform(0.0, 0.05, size=(C, K))
+    strong = (np.arange(C) % S) < strong_steps
+    g[strong] = rng.uniform(cm.LOG_DECAY_FLOOR, cm.LOG_DECAY_FLOOR + 4.0, size=g[strong].shape)
+    g = g.astype(np.float32).astype(np.float64)
+    cum = np.cumsum(g, axis=0)
+    decay, to_end = _uncompensated_decays(g)
+    bound = TOLERANCES["uncompensated_decays"].output
+    assert_close("exp(G)", decay, np.exp(cum), bound)
+    assert_close("exp(G_last - G)", to_end, np.exp(cum[-1:] - cum), bound)
+
+
 def test_clean_log_decay_grad_is_the_vjp_of_the_cleaning():
     """The backward kernel's gradient through the cleaning of g is JAX's own VJP of the XLA cleaning
     (floor, then non-finite entries zeroed with the gradient passed through)."""

@@ -165,6 +165,18 @@ TOLERANCES: dict[str, Tolerance] = {
             "substitution: 3.3e-5); 2^-12 = 2.4e-4 keeps 6x room and fails one bfloat16 pass (~2^-9)."
         ),
     ),
+    "uncompensated_decays": Tolerance(
+        output=2.0**-10,
+        grad=2.0**-10,
+        reason=(
+            "exp of the decay exponents G and G_last - G formed from a float32 sub-block cumsum without its "
+            "compensation (gla-kda's state kernels on the bfloat16-input path), against float64, relative to "
+            "max|ref| (= 1): four rounded additions per scanned sum of up to 16 * 104 give at most "
+            "4 eps (|tau| + |L|) = 4e-4; measured 1.7e-4 (the first 8 or 12 steps of every sub-block at the "
+            "floor, the rest weak); 2^-10 = 9.8e-4 stays below the bfloat16 rounding (2^-9) of the matrix-unit "
+            "operand each decay scales."
+        ),
+    ),
     "float32_rearranged": Tolerance(
         output=1e-5,
         grad=1e-5,

@@ -133,7 +133,7 @@ def state_kernel(
             keys, values = pl.ds(i * key_dim, key_dim), pl.ds(i * value_dim, value_dim)
             h_ref[pl.ds(n * key_dim, key_dim), values] = states[i].astype(h_ref.dtype)
             raw_k, raw_v, raw_beta = k_ref[rows, keys], v_ref[rows, values], beta_refs[i][n]
-            decays = cm.Decays.of_steps(g_ref[rows, keys], sb)
+            decays = cm.Decays.of_steps(g_ref[rows, keys], sb, config.compensated_decays)
             k, v, beta = cm.finite(raw_k), cm.finite(raw_v), row_to_column(cm.finite(raw_beta))
             delta = wy_delta(k, v, decays, beta, tinv_refs[i][rows, :], states[i], config.mxu_dtype)
             if delta_ref is not None:

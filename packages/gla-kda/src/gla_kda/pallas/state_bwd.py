@@ -111,7 +111,7 @@ def state_bwd_kernel(
         raw_q = q_ref[rows, keys]
         q = cm.finite(raw_q) * config.scale
         k = cm.finite(k_ref[rows, keys])
-        decays = cm.Decays.of_steps(g_ref[rows, keys], sb)
+        decays = cm.Decays.of_steps(g_ref[rows, keys], sb, config.compensated_decays)
         beta = row_to_column(cm.finite(beta_ref[n]))
         do = nf.poison_chunk(do_ref[rows, values], poison_ref, n, raw_q, values)
         decay = jnp.exp(decays.cum)
