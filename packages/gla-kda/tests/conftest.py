@@ -189,6 +189,7 @@ def _nonfinite_case(name: str):
             ("v", (0, 33, 0, 5), _INF),  # reaches column 5 from step 33 on
             ("g", (0, 50, 0, 2), np.nan),  # raw gate input: every column from step 50 on
             ("k", (0, 70, 0, 0), np.nan),
+            ("initial_state", (0, 0, 4, 9), _INF),  # column 9 from the first step on
         ]
         heads = [np.s_[1], np.s_[0, :, 1]]
         clean = {name: heads for name in ("dq", "dk", "dv", "dg", "dbeta")}

@@ -12,7 +12,7 @@ from gla_core.kit import export_for_tpu
 
 pytestmark = pytest.mark.lowering
 
-FORWARD_KERNELS = ("kda_intra", "kda_state", "kda_output")
+FORWARD_KERNELS = ("kda_intra", "kda_state")
 BACKWARD_KERNELS = ("kda_intra", "kda_state", "kda_state_bwd", "kda_intra_bwd")
 
 

@@ -1,6 +1,7 @@
 """The kda chunk pipeline, with its backward (`jax.custom_vjp`).
 
-Forward:  intra (Tinv, Aqk) -> state (h per chunk, delta, final states, poison rows) -> output (o).
+Forward:  intra (Tinv, Aqk) -> state (o, final states, poison rows; h only with `keep_states`):
+          the state kernel writes each chunk's output as the recurrence passes it.
 Backward: state again (h; nothing but the inputs, Tinv and Aqk is kept from the forward),
           or the forward's h with `keep_states` (FLA's disable_recompute)
           -> reverse state gradient (dS per chunk, ddelta, d initial_state)
@@ -13,7 +14,7 @@ token-major (`layout.to_tokens`), writes its per-token results token-major, and 
 cleaning itself: non-finite entries zeroed (`nonfinite.zero_nonfinite`), g raised to its floor
 (`inputs.floor_log_decay`) and its sub-block-local cumsum (`chunk_math.Decays.of_steps`); the
 backward kernel differentiates the cleaning of g (`chunk_math.clean_log_decay_grad`). What the
-recurrence makes non-finite comes out NaN: the output kernel poisons o, the backward kernels dO
+recurrence makes non-finite comes out NaN: the state kernel poisons o, the backward kernels dO
 (`poison`), and the pipeline the final states and their cotangents.
 """
 
@@ -31,7 +32,6 @@ from gla_kda.pallas.config import KernelConfig
 from gla_kda.pallas.intra import launch_intra
 from gla_kda.pallas.intra_bwd import launch_intra_bwd
 from gla_kda.pallas.layout import ChunkMeta
-from gla_kda.pallas.output import launch_output
 from gla_kda.pallas.state import StateOutputs, launch_state
 from gla_kda.pallas.state_bwd import launch_state_bwd
 
@@ -49,9 +49,9 @@ class PipelineConfig:
       varlen: the row holds `cu_seqlens` sequences, which may end at any chunk (each is padded to
         whole chunks and the row to its static worst case: even one sequence may end before the
         row's last chunk).
-      keep_states: the backward takes the states h the forward wrote for its output kernel (held
-        from the forward to the backward: one more residual of the size of k) instead of running
-        the state kernel again (FLA's disable_recompute).
+      keep_states: the forward's state kernel also writes the states h, and the backward takes
+        them (held from the forward to the backward: one more residual of the size of k) instead
+        of running the state kernel again (FLA's disable_recompute).
     """
 
     kernel: KernelConfig
@@ -73,40 +73,37 @@ def _poisoned_states(states, columns):
     return jnp.where(columns.reshape(n, heads, 1, value_dim), jnp.nan, states)
 
 
-def _clean_initial_state(h0):
-    """(h0 with non-finite entries 0, [N, HV*V] bool its non-finite columns), or (None, None)."""
+def _initial_columns(h0):
+    """[N, HV*V] bool: the columns of the initial states h0 [N, HV, K, V] holding a non-finite
+    entry (or None without h0). The kernels read h0 raw (non-finite entries as 0)."""
     if h0 is None:
-        return None, None
+        return None
     n, heads, _, value_dim = h0.shape
-    bad = jnp.any(~jnp.isfinite(h0), axis=2).reshape(n, heads * value_dim)
-    return jnp.where(jnp.isfinite(h0), h0, 0.0), bad
+    return jnp.any(~jnp.isfinite(h0), axis=2).reshape(n, heads * value_dim)
 
 
 def _forward(config: PipelineConfig, q, k, v, g, beta, h0, meta: ChunkMeta):
-    """Outputs and what the backward keeps: (h0 cleaned, Tinv, Aqk, h, poison rows, final columns)."""
+    """Outputs and what the backward keeps: (Tinv, Aqk, h or None, poison rows, final columns)."""
     kernel = config.kernel
-    h0, initial_bad = _clean_initial_state(h0)
     chunk_sequence = meta.seq if config.varlen else None
     tinv, aqk = launch_intra(q, k, g, beta, kernel)
     outputs = StateOutputs(
         has_initial_state=config.has_initial_state,
-        emit_delta=True,
+        emit_states=config.keep_states,
         emit_final_state=config.output_final_state,
+        emit_output=True,
         emit_poison=True,
     )
-    h, delta, ht, poison_rows = launch_state(
-        k, v, g, beta, tinv, h0, meta, kernel, outputs, config.states_per_row, config.varlen
+    h, o, ht, poison_rows = launch_state(
+        k, v, g, beta, tinv, h0, meta, kernel, outputs, config.states_per_row, config.varlen, q=q, aqk=aqk
     )
-    if initial_bad is not None:
-        poison_rows = nf.with_initial_state(poison_rows, initial_bad, chunk_sequence)
-    o = launch_output(q, g, h, delta, aqk, poison_rows, kernel, v.dtype)
     final_bad = None
     if ht is not None:
         final_bad = nf.final_columns(poison_rows, kernel.blocks.chunk_size, meta.last, chunk_sequence, ht.shape[0])
-        if initial_bad is not None:
-            final_bad = final_bad | initial_bad
+        if h0 is not None:  # h0 reaches an empty sequence's final state too, which no poison row covers
+            final_bad = final_bad | _initial_columns(h0)
         ht = _poisoned_states(_mask_empty(ht, meta.empty), final_bad)
-    return (o, ht), (h0, tinv, aqk, h, poison_rows, final_bad)
+    return (o, ht), (tinv, aqk, h, poison_rows, final_bad)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -125,9 +122,8 @@ def chunk_pipeline(config: PipelineConfig, q, k, v, g, beta, h0, meta: ChunkMeta
 
 
 def _pipeline_fwd(config, q, k, v, g, beta, h0, meta):
-    outputs, (h0, tinv, aqk, h, poison_rows, final_bad) = _forward(config, q, k, v, g, beta, h0, meta)
-    kept_h = h if config.keep_states else None
-    return outputs, (q, k, v, g, beta, h0, meta, tinv, aqk, kept_h, poison_rows, final_bad)
+    outputs, (tinv, aqk, h, poison_rows, final_bad) = _forward(config, q, k, v, g, beta, h0, meta)
+    return outputs, (q, k, v, g, beta, h0, meta, tinv, aqk, h, poison_rows, final_bad)
 
 
 def _group_sum(x, value_heads: int, group: int, dtype):
@@ -145,7 +141,7 @@ def _pipeline_bwd(config, residuals, cotangents):
     do, dht = cotangents
     kernel = config.kernel
     if h is None:
-        recompute = StateOutputs(has_initial_state=config.has_initial_state, emit_delta=False, emit_final_state=False)
+        recompute = StateOutputs(has_initial_state=config.has_initial_state)
         h, _, _, _ = launch_state(
             k, v, g, beta, tinv, h0, meta, kernel, recompute, config.states_per_row, config.varlen
         )

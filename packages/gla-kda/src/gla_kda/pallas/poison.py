@@ -10,10 +10,10 @@ recurrence would make non-finite is put back as NaN where the outputs are writte
   - a non-finite q_t reaches o_t only.
 The state kernel finds, per chunk and value column, the first row of the chunk from which the
 state's column is non-finite (the chunk's *poison row*: 0 when it already is at the chunk's start,
-C when it stays finite); the output kernel writes NaN from there on and in the rows of a non-finite
-q. The backward kernels poison dO in the same places as they read it, which is what the chain rule
-through `o * NaN` gives, so the gradients of a poisoned sequence and head carry NaN as the
-recurrence's own backward would.
+C when it stays finite), the initial state's non-finite columns included, and writes o with NaN
+from there on and in the rows of a non-finite q. The backward kernels poison dO in the same places
+as they read it, which is what the chain rule through `o * NaN` gives, so the gradients of a
+poisoned sequence and head carry NaN as the recurrence's own backward would.
 
 Poison rows are float32 [B, NT * 8, HV * V]: chunk n's row of value head j at rows 8n..8n+7
 (repeated, one (8, 128) tile per chunk and head), lanes j*V...
@@ -30,6 +30,12 @@ ROWS_PER_CHUNK = 8
 
 def _finite(x):
     return jnp.abs(x.astype(jnp.float32)) < jnp.inf
+
+
+def nonfinite_columns(x):
+    """[R, V] -> [1, V] float32: 1 where the column holds a NaN or an infinity, else 0 (float flags:
+    Mosaic relayouts of one-row boolean vectors do not lower)."""
+    return jnp.max(jnp.where(_finite(x), 0.0, 1.0), axis=0, keepdims=True)
 
 
 def nonfinite_rows(x):
@@ -62,13 +68,16 @@ def chunk_poison(k, g, beta, v, poisoned_before):
     return jnp.where(poisoned_before > 0.0, 0.0, first)
 
 
-def poison_chunk(x, poison_ref, n: int, q, lanes=slice(None)):
-    """x [C, V] (chunk n's o or dO) with NaN in column c from its poison row's entry on, and in the
-    rows where q [C, K] (raw) is not finite; the poison row is chunk n's in a kernel's poison
-    block [chunks * 8, lanes]."""
-    poison_row = poison_ref[pl.ds(n * ROWS_PER_CHUNK, 1), lanes]  # [1, V]
+def poison(x, poison_row, q):
+    """x [C, V] (a chunk's o or dO) with NaN in column c from row `poison_row[0, c]` on (its poison
+    row [1, V] float32), and in the rows where q [C, K] (raw) is not finite."""
     rows = jax.lax.broadcasted_iota(jnp.int32, x.shape, 0).astype(jnp.float32)
     return jnp.where((rows >= poison_row) | nonfinite_rows(q), jnp.nan, x)
+
+
+def poison_chunk(x, poison_ref, n: int, q, lanes=slice(None)):
+    """`poison` with chunk n's poison row from a kernel's poison block [chunks * 8, lanes]."""
+    return poison(x, poison_ref[pl.ds(n * ROWS_PER_CHUNK, 1), lanes], q)
 
 
 def write_chunk_row(poison_ref, n: int, lanes, row):
@@ -76,24 +85,9 @@ def write_chunk_row(poison_ref, n: int, lanes, row):
     poison_ref[pl.ds(n * ROWS_PER_CHUNK, ROWS_PER_CHUNK), lanes] = jnp.broadcast_to(row, (ROWS_PER_CHUNK, row.shape[1]))
 
 
-def with_initial_state(poison_rows, initial_bad, chunk_sequence):
-    """XLA side: poison rows [B, NT*8, HV*V] with every chunk of a sequence whose initial state has
-    a non-finite column poisoned in that column from its first row.
-
-    Args:
-      initial_bad: [N, HV*V] bool, column c of sequence n's initial state is non-finite.
-      chunk_sequence: [NT] int32, each chunk's sequence (packed, B = 1), or None (N = B).
-    """
-    if chunk_sequence is None:
-        per_chunk = initial_bad[:, None, :]
-    else:
-        per_chunk = jnp.repeat(initial_bad[chunk_sequence], ROWS_PER_CHUNK, axis=0)[None]
-    return jnp.where(per_chunk, 0.0, poison_rows)
-
-
 def final_columns(poison_rows, chunk_size: int, last, chunk_sequence, num_states: int):
     """XLA side: [N, HV*V] bool, column c of sequence n's final state is non-finite (its last
-    chunk's poison row is below C; poison rows from `with_initial_state`).
+    chunk's poison row is below C).
 
     Args:
       last: [NT] int32, 1 where a chunk ends its sequence.

@@ -22,6 +22,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from gla_kda.pallas.chunk_math import finite
+from gla_kda.pallas.poison import nonfinite_columns
+
 
 def state_spec(packed: bool, heads: int, key_dim: int, value_dim: int) -> pl.BlockSpec:
     """The spec of a state kernel's per-sequence states [N, HV, K, V] on its (batch, value-head
@@ -60,25 +63,41 @@ class SequenceStates:
         heads = self.slot_ref.shape[0]
         return states_ref.at[row, pl.ds(pl.program_id(1) * heads, heads)]
 
+    def _entering(self, chunk):
+        """The entering states [K, V] (one per head) of `chunk`'s sequence, loaded where it starts one
+        (stale elsewhere), or None without entering states."""
+        if self.entering_ref is None:
+            return None
+
+        @pl.when(self.starts_ref[chunk] == 1)
+        def _load():
+            pltpu.sync_copy(self._entry(self.entering_ref, chunk), self.slot_ref)
+
+        return [self.slot_ref[i] for i in range(self.slot_ref.shape[0])]
+
     def restart(self, chunk, states: list[jax.Array]) -> list[jax.Array]:
         """The states [K, V] (one per head) `chunk` sees before its update: its sequence's entering
         states (or zero) where it starts one, else `states`."""
-        flag = self.starts_ref[chunk] == 1
-        if self.entering_ref is not None:
+        entering = self._entering(chunk)
+        return [
+            jnp.where(self._starts(chunk, state.shape), 0.0 if entering is None else entering[i], state)
+            for i, state in enumerate(states)
+        ]
 
-            @pl.when(flag)
-            def _load():
-                pltpu.sync_copy(self._entry(self.entering_ref, chunk), self.slot_ref)
-
-        restarted = []
+    def restart_finite(self, chunk, states: list[jax.Array], poisoned: list[jax.Array] | None):
+        """`restart` with the entering states' non-finite entries read as 0, and the flags
+        `poisoned` [1, V] (one per head, or None) restarted with them: where `chunk` starts a
+        sequence, 1 in the columns its entering state holds a non-finite entry in
+        (`poison.nonfinite_columns`), else 0. Returns (states, flags)."""
+        entering = self._entering(chunk)
+        restarted, flags = [], []
         for i, state in enumerate(states):
-            entering = 0.0 if self.entering_ref is None else self.slot_ref[i]  # stale where it does not start
-            restarted.append(jnp.where(self._starts(chunk, state.shape), entering, state))
-        return restarted
-
-    def reset(self, chunk, carries: list[jax.Array]) -> list[jax.Array]:
-        """`carries` (float32, one per head) as zeros where `chunk` starts a sequence."""
-        return [jnp.where(self._starts(chunk, carry.shape), 0.0, carry) for carry in carries]
+            entering_state = 0.0 if entering is None else finite(entering[i])
+            restarted.append(jnp.where(self._starts(chunk, state.shape), entering_state, state))
+            if poisoned is not None:
+                entering_flags = 0.0 if entering is None else nonfinite_columns(entering[i])
+                flags.append(jnp.where(self._starts(chunk, poisoned[i].shape), entering_flags, poisoned[i]))
+        return restarted, None if poisoned is None else flags
 
     def _starts(self, chunk, shape):
         """bool `shape`: `chunk` starts a sequence (a full vector: Mosaic selects no scalar masks)."""

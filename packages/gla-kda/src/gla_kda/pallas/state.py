@@ -6,7 +6,12 @@ cumsum of the decay (assembled from its sub-block-local form by `chunk_math.Deca
   w = Tinv (beta * k * exp(G))            u = Tinv (beta * v)           (WY quantities)
   delta = u - w S                                                       (v_new)
   S <- exp(G_last) * S + (k * exp(G_last - G))^T delta                  (decay rows of S)
-It stores S before every chunk (h) and optionally delta and the final state of each sequence.
+  o = scale (q * exp(G)) S + Aqk delta                                  (the output)
+As it passes each chunk it writes o (Aqk from the intra kernel; the forward), or S before the
+chunk (h; the backward's recompute, or the forward with `keep_states`), and optionally the final
+state of each sequence and the chunks' poison rows. o off the serial chain of S costs the kernel
+less than a separate output kernel reading h and delta back (v6e static estimate, B=2 T=4096
+H=16: 370k + 184k cycles for state and output, 471k for the state kernel writing o).
 
 A grid step takes m value heads (`BlockSizes.state_heads_per_step`): their chains of dependent
 products are independent, so the scheduler interleaves them (one head per step leaves the matrix
@@ -34,6 +39,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from gla_core.errors import InvalidArgumentError
 from gla_core.kit import KERNEL_VMEM_BUDGET_BYTES, fold_vmap, row_to_column
 from gla_kda.pallas import chunk_math as cm
 from gla_kda.pallas import poison as nf
@@ -43,13 +49,28 @@ from gla_kda.pallas.sequence_states import SequenceStates, state_spec
 
 @dataclasses.dataclass(frozen=True)
 class StateOutputs:
-    """Which optional outputs the state kernel produces (`emit_poison`: the chunks' poison rows,
-    `gla_kda.pallas.poison`)."""
+    """Which optional outputs the state kernel produces.
+
+    Attributes:
+      has_initial_state: the kernel takes the initial states h0 (raw: non-finite entries read as 0).
+      emit_states: h, the state before every chunk (the backward's, or kept for it).
+      emit_final_state: the final state of every sequence.
+      emit_output: o = scale (q exp(G)) S + Aqk delta of every chunk, from q and Aqk, written as the
+        recurrence passes (no separate kernel reads S and delta back), NaN where the recurrence's
+        is not finite. Needs `emit_poison`.
+      emit_poison: the chunks' poison rows (`gla_kda.pallas.poison`), the initial states'
+        non-finite columns included.
+    """
 
     has_initial_state: bool
-    emit_delta: bool
-    emit_final_state: bool
+    emit_states: bool = True
+    emit_final_state: bool = False
+    emit_output: bool = False
     emit_poison: bool = False
+
+    def __post_init__(self):
+        if self.emit_output and not self.emit_poison:
+            raise InvalidArgumentError("StateOutputs: emit_output poisons o from the poison rows; it needs emit_poison")
 
 
 def wy_delta(k, v, decays: cm.Decays, beta, tinv, state, dtype):
@@ -62,6 +83,31 @@ def advance_state(k, decays: cm.Decays, delta, state, dtype):
     """State after the chunk: exp(G_last) * S + (k exp(G_last - G))^T delta, [K, V] float32."""
     k_to_end = k * jnp.exp(decays.to_end)
     return row_to_column(jnp.exp(decays.total)) * state + cm.dot(k_to_end, delta, dtype, trans_a=True)
+
+
+def chunk_output(raw_q, decays: cm.Decays, state, aqk, delta, poison_row, config: KernelConfig):
+    """o = scale (q exp(G)) S + Aqk delta [C, V] float32 of one chunk, poisoned (`poison.poison`).
+
+    raw_q [C, K] is not cleaned: a non-finite q_t reaches only row t, which is poisoned anyway.
+    """
+    decayed_q = raw_q.astype(cm.F32) * config.scale * jnp.exp(decays.cum)
+    o = cm.dot(decayed_q, state, config.mxu_dtype) + cm.dot(aqk, delta, config.mxu_dtype)
+    return nf.poison(o, poison_row, raw_q)
+
+
+def _initial_states(h0_ref, state_ref, poisoned_ref):
+    """Sets the carried states [m, K, V] to the initial states h0 with non-finite entries read as 0
+    (zeros without h0), and the poisoned columns [m, 1, V] to h0's non-finite columns."""
+    if h0_ref is None:
+        state_ref[...] = jnp.zeros(state_ref.shape, state_ref.dtype)
+        if poisoned_ref is not None:
+            poisoned_ref[...] = jnp.zeros(poisoned_ref.shape, poisoned_ref.dtype)
+        return
+    for i in range(state_ref.shape[0]):
+        raw = h0_ref[i].astype(cm.F32)
+        state_ref[i] = cm.finite(raw)
+        if poisoned_ref is not None:
+            poisoned_ref[i] = nf.nonfinite_columns(raw)
 
 
 def state_kernel(
@@ -78,13 +124,13 @@ def state_kernel(
     """Blocks of n consecutive chunks and m = `heads` value heads (head i of the step at lanes
     i*K.. / i*V..): k [n*C, m*K]; v [n*C, m*V] (input dtype); g [n*C, m*K] raw per-step log
     decays (cleaned and cumsummed here, `chunk_math.Decays.of_steps`); m refs beta [n, 1, C] and
-    tinv [n*C, C] (one ref per head); h0 [m, K, V], or with `packed` sequences every sequence's
-    [N, HV, K, V] in HBM.
+    m refs tinv [n*C, C]; with `emit_output` q [n*C, m*K] (raw) and m refs aqk [n*C, C]; h0
+    [m, K, V] raw, or with `packed` sequences every sequence's [N, HV, K, V] in HBM.
 
-    Outputs: h [n*K, m*V] (the state before each chunk), delta [n*C, m*V], ht [m, K, V] (`packed`:
-    [N, HV, K, V] in HBM), poison rows [n*8, m*V] (`gla_kda.pallas.poison`; non-finite k, v, g
-    and beta are read as 0 and found here); scratch states [m, K, V] float32, with poison rows the
-    columns poisoned so far [m, 1, V] float32 (1: poisoned), and with `packed` the DMA slot
+    Outputs: h [n*K, m*V] (the state before each chunk), o [n*C, m*V], ht [m, K, V] (`packed`:
+    [N, HV, K, V] in HBM), poison rows [n*8, m*V] (`gla_kda.pallas.poison`; non-finite k, v, g,
+    beta and h0 are read as 0 and found here); scratch states [m, K, V] float32, with poison rows
+    the columns poisoned so far [m, 1, V] float32 (1: poisoned), and with `packed` the DMA slot
     [m, K, V] float32. Without `packed` (one sequence per batch row) only the step's first chunk
     may start its sequence and only its last may end it.
     """
@@ -93,15 +139,20 @@ def state_kernel(
     beta_refs = refs[3 : 3 + heads]
     tinv_refs = refs[3 + heads : 3 + 2 * heads]
     rest = refs[3 + 2 * heads :]
+    q_ref, aqk_refs = None, None
+    if outputs.emit_output:
+        q_ref, aqk_refs = rest[0], rest[1 : 1 + heads]
+        rest = rest[1 + heads :]
     h0_ref = rest.pop(0) if outputs.has_initial_state else None
-    h_ref = rest.pop(0)
-    delta_ref = rest.pop(0) if outputs.emit_delta else None
+    h_ref = rest.pop(0) if outputs.emit_states else None
+    o_ref = rest.pop(0) if outputs.emit_output else None
     ht_ref = rest.pop(0) if outputs.emit_final_state else None
     poison_ref = rest.pop(0) if outputs.emit_poison else None
     state_ref = rest.pop(0)
     poisoned_ref = rest.pop(0) if outputs.emit_poison else None
     per_step = beta_refs[0].shape[0]
-    c, key_dim, value_dim = config.blocks.chunk_size, state_ref.shape[1], state_ref.shape[2]
+    c, key_dim = config.blocks.chunk_size, state_ref.shape[1]
+    value_dim = state_ref.shape[2]
     sb = cm.SubBlocks(c, config.blocks.sub_chunk)
     t = pl.program_id(2)
     sequences = None
@@ -109,40 +160,35 @@ def state_kernel(
         (slot_ref,) = rest
         sequences = SequenceStates(first_ref, last_ref, seq_ref, h0_ref, ht_ref, slot_ref, states_per_row)
 
-    # Packed sequences restart chunk by chunk (`SequenceStates.restart`) from a zero row start.
+    # Packed sequences restart chunk by chunk (`SequenceStates.restart_finite`) from a zero row start.
     starts_row = (t == 0) if packed else (t == 0) | (first_ref[t * per_step] == 1)
 
     @pl.when(starts_row)
     def _reset():
-        if h0_ref is None or packed:
-            state_ref[...] = jnp.zeros(state_ref.shape, state_ref.dtype)
-        else:
-            state_ref[...] = h0_ref[...].astype(cm.F32)
-        if poisoned_ref is not None:
-            poisoned_ref[...] = jnp.zeros(poisoned_ref.shape, poisoned_ref.dtype)
+        _initial_states(None if packed else h0_ref, state_ref, poisoned_ref)
 
     states = [state_ref[i] for i in range(heads)]
     poisoned = None if poisoned_ref is None else [poisoned_ref[i] for i in range(heads)]  # [1, V], 1: poisoned
     for n in range(per_step):
         rows = pl.ds(n * c, c)
         if sequences is not None:
-            states = sequences.restart(t * per_step + n, states)
-            if poisoned is not None:
-                poisoned = sequences.reset(t * per_step + n, poisoned)
+            states, poisoned = sequences.restart_finite(t * per_step + n, states, poisoned)
         for i in range(heads):  # independent chains: the scheduler interleaves them
             keys, values = pl.ds(i * key_dim, key_dim), pl.ds(i * value_dim, value_dim)
-            h_ref[pl.ds(n * key_dim, key_dim), values] = states[i].astype(h_ref.dtype)
+            if h_ref is not None:
+                h_ref[pl.ds(n * key_dim, key_dim), values] = states[i].astype(h_ref.dtype)
             raw_k, raw_v, raw_beta = k_ref[rows, keys], v_ref[rows, values], beta_refs[i][n]
             decays = cm.Decays.of_steps(g_ref[rows, keys], sb, config.compensated_decays)
             k, v, beta = cm.finite(raw_k), cm.finite(raw_v), row_to_column(cm.finite(raw_beta))
             delta = wy_delta(k, v, decays, beta, tinv_refs[i][rows, :], states[i], config.mxu_dtype)
-            if delta_ref is not None:
-                delta_ref[rows, values] = delta.astype(delta_ref.dtype)
-            states[i] = advance_state(k, decays, delta, states[i], config.mxu_dtype)
             if poisoned is not None:
                 row = nf.chunk_poison(raw_k, g_ref[rows, keys], raw_beta, raw_v, poisoned[i])
                 nf.write_chunk_row(poison_ref, n, values, row)
                 poisoned[i] = jnp.where(row < c, 1.0, 0.0)
+            if o_ref is not None:
+                o = chunk_output(q_ref[rows, keys], decays, states[i], aqk_refs[i][rows, :], delta, row, config)
+                o_ref[rows, values] = o.astype(o_ref.dtype)
+            states[i] = advance_state(k, decays, delta, states[i], config.mxu_dtype)
         if sequences is not None:
             sequences.emit(t * per_step + n, states)
     for i in range(heads):
@@ -166,16 +212,33 @@ def heads_per_step(value_heads: int, group: int, most: int) -> int:
     return max(m for m in range(1, min(most, value_heads) + 1) if value_heads % m == 0)
 
 
-def state_cost(batch, heads, num_chunks, c, k, v, itemsize):
+def state_cost(batch, heads, num_chunks, c, k, v, itemsize, outputs: StateOutputs):
     steps = batch * heads * num_chunks
     flops = steps * (2 * c * k * v * 3 + 2 * c * c * v + k * k)
     transcendentals = steps * (2 * c * k + k)
-    bytes_accessed = steps * ((c * k + c * v) * itemsize + c * k * 4 + c * 4 + c * c * 4 + (k * v + c * v) * itemsize)
+    bytes_accessed = steps * ((c * k + c * v) * itemsize + c * k * 4 + c * 4 + c * c * itemsize)
+    if outputs.emit_states:
+        bytes_accessed += steps * k * v * itemsize
+    if outputs.emit_output:
+        flops += steps * (2 * c * k * v + 2 * c * c * v)
+        bytes_accessed += steps * (c * k + c * c + c * v) * itemsize
     return pl.CostEstimate(flops=flops, transcendentals=transcendentals, bytes_accessed=bytes_accessed)
 
 
 def launch_state(
-    k, v, g, beta, tinv, h0, meta, config: KernelConfig, outputs: StateOutputs, states_per_row: int, varlen: bool
+    k,
+    v,
+    g,
+    beta,
+    tinv,
+    h0,
+    meta,
+    config: KernelConfig,
+    outputs: StateOutputs,
+    states_per_row: int,
+    varlen: bool,
+    q=None,
+    aqk=None,
 ):
     """Runs the recurrence over every chunk.
 
@@ -183,24 +246,28 @@ def launch_state(
       k: [B, Tp, H*K]; v: [B, Tp, HV*V] (input dtype, token-major, `layout.to_tokens`; K and V
       multiples of 128); g: [B, Tp, HV*K] float32 raw per-step log decays;
       beta: [B, HV, NT, 1, C] float32 (non-finite entries read as 0); tinv: [B, HV, Tp, C] (`launch_intra`);
-      h0: [N, HV, K, V] float32 or None; meta: `ChunkMeta` (first, last, seq int32 [NT]).
+      h0: [N, HV, K, V] float32 or None (non-finite entries read as 0; their columns poisoned);
+      meta: `ChunkMeta` (first, last, seq int32 [NT]).
       states_per_row: N / B (1, or the number of packed sequences of the one varlen row).
       varlen: sequences may start and end at any chunk (`PipelineConfig.varlen`): their states
       move by DMA (`sequence_states`).
+      q: [B, Tp, H*K] (token-major) and aqk: [B, HV, Tp, C] (`launch_intra`), for `emit_output`.
     Returns:
-      (h [B, NT*K, HV*V] (rows n*K.. hold the state before chunk n; lanes j*V.. value head j),
-      delta [B, Tp, HV*V] (token-major) or None, ht [N, HV, K, V] float32 or None, poison rows
-      [B, NT*8, HV*V] float32 or None, without the initial state's columns: `poison`).
+      (h [B, NT*K, HV*V] (rows n*K.. hold the state before chunk n; lanes j*V.. value head j) or
+      None, o [B, Tp, HV*V] in v's dtype (token-major) or None, ht [N, HV, K, V] float32 or None,
+      poison rows [B, NT*8, HV*V] float32 or None: `poison`).
       Under `jax.vmap` the mapped axis folds into B and N (`gla_core.pallas_transforms.fold_vmap`).
     """
+    if outputs.emit_output != (q is not None and aqk is not None):
+        raise InvalidArgumentError("launch_state: q and aqk are given exactly when StateOutputs.emit_output is set")
     launch = functools.partial(
         _launch_state, config=config, outputs=outputs, states_per_row=states_per_row, varlen=varlen
     )
-    args = (k, v, g, beta, tinv, h0, meta.first, meta.last, meta.seq)
-    return fold_vmap(launch, args, in_axes=(0,) * 6 + (None,) * 3, out_axes=0)
+    args = (k, v, g, beta, tinv, h0, q, aqk, meta.first, meta.last, meta.seq)
+    return fold_vmap(launch, args, in_axes=(0,) * 8 + (None,) * 3, out_axes=0)
 
 
-def _launch_state(k, v, g, beta, tinv, h0, first, last, seq, *, config, outputs, states_per_row, varlen):
+def _launch_state(k, v, g, beta, tinv, h0, q, aqk, first, last, seq, *, config, outputs, states_per_row, varlen):
     batch, heads = beta.shape[:2]
     padded_len, key_dim, value_dim = g.shape[1], g.shape[2] // heads, v.shape[2] // heads
     c = config.blocks.chunk_size
@@ -210,22 +277,28 @@ def _launch_state(k, v, g, beta, tinv, h0, first, last, seq, *, config, outputs,
     rows = per_step * c
     m = heads_per_step(heads, config.group, config.blocks.state_heads_per_step)
     sequence_spec = state_spec(varlen, m, key_dim, value_dim)
+    by_head = [pl.BlockSpec((None, None, rows, c), head_index(i, m, 4)) for i in range(m)]
     in_specs = [
         token_block(rows, m * key_dim, config.group),
         token_block(rows, m * value_dim),
         token_block(rows, m * key_dim),
         *(pl.BlockSpec((None, None, per_step, 1, c), head_index(i, m, 5)) for i in range(m)),
-        *(pl.BlockSpec((None, None, rows, c), head_index(i, m, 4)) for i in range(m)),
+        *by_head,
     ]
     args = [k, v, g, *(beta,) * m, *(tinv,) * m]
+    if outputs.emit_output:
+        in_specs += [token_block(rows, m * key_dim, config.group), *by_head]
+        args += [q, *(aqk,) * m]
     if outputs.has_initial_state:
         in_specs.append(sequence_spec)
         args.append(h0)
-    out_specs = [token_block(per_step * key_dim, m * value_dim)]
-    out_shape = [jax.ShapeDtypeStruct((batch, num_chunks * key_dim, heads * value_dim), config.store_dtype)]
-    if outputs.emit_delta:
+    out_specs, out_shape = [], []
+    if outputs.emit_states:
+        out_specs.append(token_block(per_step * key_dim, m * value_dim))
+        out_shape.append(jax.ShapeDtypeStruct((batch, num_chunks * key_dim, heads * value_dim), config.store_dtype))
+    if outputs.emit_output:
         out_specs.append(token_block(rows, m * value_dim))
-        out_shape.append(jax.ShapeDtypeStruct((batch, padded_len, heads * value_dim), config.store_dtype))
+        out_shape.append(jax.ShapeDtypeStruct((batch, padded_len, heads * value_dim), v.dtype))
     if outputs.emit_final_state:
         out_specs.append(sequence_spec)
         out_shape.append(jax.ShapeDtypeStruct((num_states, heads, key_dim, value_dim), jnp.float32))
@@ -246,19 +319,20 @@ def _launch_state(k, v, g, beta, tinv, h0, first, last, seq, *, config, outputs,
     kernel = functools.partial(
         state_kernel, config=config, outputs=outputs, heads=m, states_per_row=states_per_row, packed=varlen
     )
+    cost = state_cost(batch, heads, num_chunks, c, key_dim, value_dim, config.mxu_dtype.itemsize, outputs)
     with jax.named_scope("kda_state"):
         results = pl.pallas_call(
             kernel,
             grid_spec=grid_spec,
             out_shape=out_shape,
             compiler_params=compiler_params(sequential_time=True, vmem_limit_bytes=KERNEL_VMEM_BUDGET_BYTES),
-            cost_estimate=state_cost(batch, heads, num_chunks, c, key_dim, value_dim, config.mxu_dtype.itemsize),
+            cost_estimate=cost,
             interpret=config.interpret_arg,
             name="kda_state",
         )(first, last, seq, *args)
     results = list(results)
-    h = results.pop(0)
-    delta = results.pop(0) if outputs.emit_delta else None
+    h = results.pop(0) if outputs.emit_states else None
+    o = results.pop(0) if outputs.emit_output else None
     ht = results.pop(0) if outputs.emit_final_state else None
     poison_rows = results.pop(0) if outputs.emit_poison else None
-    return h, delta, ht, poison_rows
+    return h, o, ht, poison_rows
