@@ -13,6 +13,6 @@ Modules (kernel bodies separate from their launchers in each):
   poison     in-kernel non-finite input handling: which outputs the recurrence makes NaN
   sequence_states  per-sequence states of packed rows, moved by DMA in the state kernels
   state_bwd  backward reverse-time state-gradient kernel (dh0)
-  intra_bwd  backward per-chunk gradient kernel (dq, dk, dv, dbeta, dg before the cumsum)
+  intra_bwd  backward per-chunk gradient kernel (dq, dk, dv, dbeta, dg), recomputing the states
   pipeline   the `jax.custom_vjp` tying the kernels together
 """

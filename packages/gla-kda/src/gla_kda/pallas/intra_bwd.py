@@ -1,7 +1,12 @@
-"""Backward per-chunk gradient kernel: dq, dk, dv, dbeta and dg of every chunk (parallel grid).
+"""Backward per-chunk gradient kernel: dq, dk, dv, dbeta and dg of every chunk.
 
-Inputs per chunk: the state S before it (recomputed by the state kernel), dS the gradient of
-the state after it and ddelta (both from the reverse kernel), dO, and Tinv = (I + Akk)^-1.
+Inputs per chunk: the state S before it, dS the gradient of the state after it and ddelta (both
+from the reverse kernel), dO, and Tinv = (I + Akk)^-1. S is the forward's h (`keep_states`), or,
+by default, recomputed here: the kernel walks time in order and advances S with each chunk's
+delta, which the gradient forms anyway. That replaces a second run of the state kernel and the
+round trip of h through HBM (v6e static estimate, training step at B=2 T=4096 H=16: 1,547k
+cycles here plus 354k for the state kernel's recompute, 1,828k for this kernel alone; temp
+memory 289 -> 225 MiB). Otherwise the chunks are independent (a parallel grid).
 With y = beta (v - k exp(G) S) the forward is delta = Tinv y, o = scale q exp(G) S + Aqk delta,
 S_next = exp(G_last) S + (k exp(G_last - G))^T delta, so (q below is scale * q):
   dAqk = tril(dO delta^T)            dTinv = ddelta y^T        dy = Tinv^T ddelta
@@ -24,70 +29,100 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from gla_core.kit import column_to_row, fold_vmap, row_to_column
 from gla_kda.pallas import chunk_math as cm
 from gla_kda.pallas import poison as nf
 from gla_kda.pallas.config import KernelConfig, compiler_params, head_block, token_block
 from gla_kda.pallas.gated_grads import diagonals_in_range, gated_grads
+from gla_kda.pallas.sequence_states import SequenceStates, initial_states, starts_row, state_spec
+from gla_kda.pallas.state import advance_state
 
 
 def intra_bwd_kernel(
-    q_ref,
-    k_ref,
-    v_ref,
-    g_ref,
-    beta_ref,
-    tinv_ref,
-    h_ref,
-    dstate_ref,
-    ddelta_ref,
-    do_ref,
-    poison_ref,
-    dq_ref,
-    dk_ref,
-    dv_ref,
-    dbeta_ref,
-    dg_ref,
-    *,
+    first_ref,
+    last_ref,
+    seq_ref,
+    *refs,
     config: KernelConfig,
+    carry_states: bool,
+    has_initial_state: bool,
+    states_per_row: int,
+    packed: bool,
 ):
     """Blocks of n chunks of one value head: q, k [n*C, K] (input dtype, non-finite entries read as 0);
-    g [n*C, K] raw per-step log decays (cleaned and cumsummed here, `chunk_math.Decays.of_steps`);
-    v [n*C, V] (non-finite entries read as 0), ddelta, do [n*C, V] (do poisoned here as the forward
-    poisoned o, from its poison rows [n*8, V]: `gla_kda.pallas.poison`); beta [n, 1, C] (non-finite
-    entries read as 0); tinv [n*C, C]; h, dstate [n*K, V].
+    v [n*C, V] (non-finite entries read as 0); g [n*C, K] raw per-step log decays (cleaned and
+    cumsummed here, `chunk_math.Decays.of_steps`); beta [n, 1, C] (non-finite entries read as 0);
+    tinv [n*C, C]; the states: h [n*K, V] (the state before each chunk), or with `carry_states`
+    h0 [1, K, V] raw (if `has_initial_state`; with `packed` every sequence's [N, HV, K, V] in
+    HBM); dstate [n*K, V]; ddelta, do [n*C, V] (do poisoned here as the forward poisoned o, from
+    its poison rows [n*8, V]: `gla_kda.pallas.poison`).
 
     Outputs: dq, dk [n*C, K] (per value head, dq already multiplied by scale) and dv [n*C, V], each
     in its ref's dtype; dg [n*C, K] float32 with respect to the raw log decays (through their
-    cleaning, `chunk_math.clean_log_decay_grad`); dbeta [n, 1, C] float32. The chunks are independent.
-    """
-    c, key_dim = config.blocks.chunk_size, q_ref.shape[-1]
-    chunks = range(beta_ref.shape[0])
+    cleaning, `chunk_math.clean_log_decay_grad`); dbeta [n, 1, C] float32.
 
-    def write(anchor_range):
+    With `carry_states` the kernel runs the forward recurrence itself (the grid's time axis is
+    sequential): the state before chunk n is carried in the scratch [1, K, V] float32 and advanced
+    with the chunk's delta, which the gradient forms anyway (`state.advance_state`), so the states
+    need neither a kernel of their own nor a trip through HBM; scratch [n*K, V] float32 keeps the
+    step's states for the recomputed exact step, and with `packed` the DMA slot [1, K, V].
+    Otherwise the chunks are independent.
+    """
+    refs = list(refs)
+    q_ref, k_ref, v_ref, g_ref, beta_ref, tinv_ref = refs[:6]
+    rest = refs[6:]
+    h_ref = h0_ref = None
+    if not carry_states:
+        h_ref = rest.pop(0)
+    elif has_initial_state:
+        h0_ref = rest.pop(0)
+    dstate_ref, ddelta_ref, do_ref, poison_ref = rest[:4]
+    dq_ref, dk_ref, dv_ref, dbeta_ref, dg_ref = rest[4:9]
+    scratch = rest[9:]
+    c, key_dim = config.blocks.chunk_size, q_ref.shape[-1]
+    per_step = beta_ref.shape[0]
+    chunks = range(per_step)
+    carry, sequences, t = None, None, pl.program_id(2)
+    if carry_states:
+        state_ref, h_ref = scratch[:2]
+        if packed:
+            sequences = SequenceStates(first_ref, last_ref, seq_ref, h0_ref, None, scratch[2], states_per_row)
+
+        @pl.when(starts_row(t, first_ref, per_step, packed))
+        def _reset():
+            initial_states(None if packed else h0_ref, state_ref)
+
+        carry = state_ref[0]
+
+    def write(anchor_range, carry):
         """Writes every output, the diagonal sub-blocks anchored within `anchor_range` (None: exact);
-        returns the chunks' `Decays`."""
+        returns the chunks' `Decays`. With `carry`, the carried state [K, V] before the step's first
+        chunk: the states are advanced from it (and kept in h_ref); without, read from h_ref."""
         products = []
         for n in chunks:
-            rows, states = pl.ds(n * c, c), pl.ds(n * key_dim, key_dim)
-            raw_q = q_ref[rows, :]
+            rows, state_rows = pl.ds(n * c, c), pl.ds(n * key_dim, key_dim)
+            if carry is not None:
+                if sequences is not None:
+                    (carry,), _ = sequences.restart_finite(t * per_step + n, [carry], None)
+                h_ref[state_rows, :] = carry
+                state = carry
+            else:
+                state = h_ref[state_rows, :].astype(cm.F32)
+            raw_q, k = q_ref[rows, :], cm.finite(k_ref[rows, :])
+            beta, tinv = row_to_column(cm.finite(beta_ref[n])), tinv_ref[rows, :]
+            forward = chunk_forward(k, cm.finite(v_ref[rows, :]), g_ref[rows, :], beta, tinv, state, config)
             do = nf.poison_chunk(do_ref[rows, :].astype(cm.F32), poison_ref, n, raw_q)
-            products.append(
-                chunk_products(
-                    cm.finite(raw_q) * config.scale,
-                    cm.finite(k_ref[rows, :]),
-                    cm.finite(v_ref[rows, :]),
-                    g_ref[rows, :],
-                    row_to_column(cm.finite(beta_ref[n])),
-                    tinv_ref[rows, :],
-                    h_ref[states, :].astype(cm.F32),
-                    dstate_ref[states, :].astype(cm.F32),
-                    ddelta_ref[rows, :].astype(cm.F32),
-                    do,
-                    config,
-                )
+            dstate, ddelta = dstate_ref[state_rows, :].astype(cm.F32), ddelta_ref[rows, :].astype(cm.F32)
+            chunk = chunk_products(
+                cm.finite(raw_q) * config.scale, k, beta, tinv, state, dstate, ddelta, do, forward, config
             )
+            products.append(chunk)
+            if carry is not None:
+                carry = advance_state(chunk.k * chunk.to_end, chunk.decays, chunk.delta, carry, config.mxu_dtype)
+        if carry is not None:
+            state_ref[0] = carry
         # Second stage once every chunk's products are issued: the chunks' chains interleave.
         for n, chunk in zip(chunks, products, strict=True):
             rows = pl.ds(n * c, c)
@@ -100,15 +135,16 @@ def intra_bwd_kernel(
         return [chunk.decays for chunk in products]
 
     anchor_range = config.anchor
-    decays = write(anchor_range)
+    decays = write(anchor_range, carry)
     if anchor_range is None:
         return
-    # A step with a chunk out of the anchor range is recomputed with the exact diagonal sub-blocks.
+    # A step with a chunk out of the anchor range is recomputed with the exact diagonal sub-blocks
+    # (from the states the first pass kept in h_ref).
     in_range = functools.reduce(jnp.logical_and, [diagonals_in_range(d, anchor_range) for d in decays])
 
     @pl.when(jnp.logical_not(in_range))
     def _exact():
-        write(None)
+        write(None, None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +152,8 @@ class ChunkProducts:
     """One chunk's inputs and the matrix products of its gradient before the gated scores' (all float32).
 
     q (scaled), k, decay = exp(G), to_end = exp(G_last - G), d_q_decayed, d_k_decayed, d_k_to_end
-    [C, K]; projected = v - k exp(G) S, dy [C, V]; beta [C, 1]; state, dstate [K, V]; d_akk,
+    [C, K]; projected = v - k exp(G) S, delta = Tinv beta projected, dy [C, V]; beta [C, 1];
+    state, dstate [K, V]; d_akk,
     d_aqk [C, C] the cotangents of Akk and Aqk; decays the chunk's `chunk_math.Decays`.
     """
 
@@ -129,6 +166,7 @@ class ChunkProducts:
     decay: jax.Array
     to_end: jax.Array
     projected: jax.Array
+    delta: jax.Array
     dy: jax.Array
     d_q_decayed: jax.Array
     d_k_decayed: jax.Array
@@ -137,19 +175,34 @@ class ChunkProducts:
     d_aqk: jax.Array
 
 
-def chunk_products(q, k, v, g, beta, tinv, state, dstate, ddelta, do, config: KernelConfig):
+@dataclasses.dataclass(frozen=True)
+class ChunkForward:
+    """What the forward formed of one chunk (float32): decays, decay = exp(G) [C, K], projected =
+    v - k exp(G) S and delta = Tinv beta projected [C, V]."""
+
+    decays: cm.Decays
+    decay: jax.Array
+    projected: jax.Array
+    delta: jax.Array
+
+
+def chunk_forward(k, v, g, beta, tinv, state, config: KernelConfig) -> ChunkForward:
+    """`ChunkForward` of one chunk: k [C, K]; v [C, V]; g [C, K] the raw per-step log decays; beta
+    [C, 1]; tinv [C, C] (`config.store_dtype`); state [K, V]."""
+    decays = cm.Decays.of_steps(g, cm.SubBlocks(config.blocks.chunk_size, config.blocks.sub_chunk))
+    decay = jnp.exp(decays.cum)
+    projected = v - cm.dot(k * decay, state, config.mxu_dtype)
+    return ChunkForward(decays, decay, projected, cm.dot(tinv, beta * projected, config.mxu_dtype))
+
+
+def chunk_products(q, k, beta, tinv, state, dstate, ddelta, do, forward: ChunkForward, config: KernelConfig):
     """`ChunkProducts` of one chunk.
 
-    q (scaled), k [C, K]; v, ddelta, do [C, V]; g [C, K] the raw per-step log decays; beta [C, 1];
-    tinv [C, C] (`config.store_dtype`); state, dstate [K, V]; the others float32.
+    q (scaled), k [C, K]; ddelta, do [C, V]; beta [C, 1]; tinv [C, C] (`config.store_dtype`);
+    state, dstate [K, V]; the others float32; forward: the chunk's `chunk_forward`.
     """
-    sb = cm.SubBlocks(config.blocks.chunk_size, config.blocks.sub_chunk)
-    dtype, c = config.mxu_dtype, sb.chunk
-    decays = cm.Decays.of_steps(g, sb)
-    decay = jnp.exp(decays.cum)
-    projected = v - cm.dot(k * decay, state, dtype)
-    y = beta * projected
-    delta = cm.dot(tinv, y, dtype)
+    dtype, c = config.mxu_dtype, config.blocks.chunk_size
+    decays, decay, projected, delta = forward.decays, forward.decay, forward.projected, forward.delta
     dy = cm.dot(tinv, ddelta, dtype, trans_a=True)
     # dO and dy against the state and delta: one product, [2C, V] x [K + C, V]^T.
     key_dim = state.shape[0]
@@ -164,6 +217,7 @@ def chunk_products(q, k, v, g, beta, tinv, state, dstate, ddelta, do, config: Ke
         decay=decay,
         to_end=jnp.exp(decays.to_end),
         projected=projected,
+        delta=delta,
         dy=dy,
         d_q_decayed=against[:c, :key_dim],
         d_k_decayed=-beta * against[c:, :key_dim],
@@ -221,28 +275,79 @@ def intra_bwd_cost(batch, heads, num_chunks, c, k, v, s, itemsize):
     return pl.CostEstimate(flops=flops, transcendentals=transcendentals, bytes_accessed=bytes_accessed)
 
 
-def launch_intra_bwd(q, k, v, g, beta, tinv, h, dstate, ddelta, do, poison_rows, config: KernelConfig):
+def launch_intra_bwd(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    tinv,
+    h,
+    dstate,
+    ddelta,
+    do,
+    poison_rows,
+    config: KernelConfig,
+    meta,
+    h0,
+    has_initial_state: bool,
+    states_per_row: int,
+    varlen: bool,
+):
     """Per-chunk gradients, read and written in the forward's token-major layout (no transposed copies).
 
     Args:
       q, k: [B, Tp, H*K]; v: [B, Tp, HV*V] (token-major, `layout.to_tokens`; non-finite entries read as 0);
       g: [B, Tp, HV*K] float32 raw per-step log decays (cleaned as the forward kernels clean them);
       beta: [B, HV, NT, 1, C]; tinv: [B, HV, Tp, C]; h: [B, NT*K, HV*V] (`state.launch_state`: rows
-      n*K.. the state before chunk n, lanes j*V.. value head j); dstate: [B, NT*K, HV*V] (the same
-      layout, the gradient of the state after chunk n) and ddelta, do: [B, Tp, HV*V] (token-major),
-      both from `state_bwd.launch_state_bwd`; poison_rows: [B, NT*8, HV*V] float32, the forward's
-      (`gla_kda.pallas.poison`).
+      n*K.. the state before chunk n, lanes j*V.. value head j), or None: the kernel then runs the
+      recurrence itself from h0 [N, HV, K, V] float32 (raw; None for zeros), its time axis
+      sequential; meta: `ChunkMeta` (where sequences start; `states_per_row`, `varlen` as
+      `state.launch_state`'s);
+      dstate: [B, NT*K, HV*V] (the same layout, the gradient of the state after chunk n) and
+      ddelta, do: [B, Tp, HV*V] (token-major), both from `state_bwd.launch_state_bwd`;
+      poison_rows: [B, NT*8, HV*V] float32, the forward's (`gla_kda.pallas.poison`).
     Returns: dq, dk [B, Tp, HV*K] (per value head, token-major; in q's dtype, or float32 when value
       heads share q/k heads and the caller sums them); dv [B, Tp, HV*V] in v's dtype; dg [B, Tp, HV*K]
       float32 with respect to the raw g; dbeta [B, HV, NT, 1, C] float32.
       Under `jax.vmap` the mapped axis folds into B (`gla_core.pallas_transforms.fold_vmap`).
     """
-    launch = functools.partial(_launch_intra_bwd, config=config)
-    args = (q, k, v, g, beta, tinv, h, dstate, ddelta, do, poison_rows)
-    return fold_vmap(launch, args, in_axes=(0,) * 11, out_axes=0)
+    carry_states = h is None
+    launch = functools.partial(
+        _launch_intra_bwd,
+        config=config,
+        carry_states=carry_states,
+        has_initial_state=has_initial_state,
+        states_per_row=states_per_row,
+        varlen=varlen,
+    )
+    args = (q, k, v, g, beta, tinv, h, h0, dstate, ddelta, do, poison_rows, meta.first, meta.last, meta.seq)
+    return fold_vmap(launch, args, in_axes=(0,) * 12 + (None,) * 3, out_axes=0)
 
 
-def _launch_intra_bwd(q, k, v, g, beta, tinv, h, dstate, ddelta, do, poison_rows, *, config: KernelConfig):
+def _launch_intra_bwd(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    tinv,
+    h,
+    h0,
+    dstate,
+    ddelta,
+    do,
+    poison_rows,
+    first,
+    last,
+    seq,
+    *,
+    config: KernelConfig,
+    carry_states: bool,
+    has_initial_state: bool,
+    states_per_row: int,
+    varlen: bool,
+):
     batch, heads = beta.shape[:2]
     padded_len, key_dim = g.shape[1], g.shape[2] // heads
     value_dim = v.shape[-1] // heads
@@ -253,28 +358,43 @@ def _launch_intra_bwd(q, k, v, g, beta, tinv, h, dstate, ddelta, do, poison_rows
     qk_spec = token_block(rows, key_dim, config.group)
     key_spec = token_block(rows, key_dim)
     value_spec = token_block(rows, value_dim)
-    state_spec = token_block(per_step * key_dim, value_dim)
+    states_spec = token_block(per_step * key_dim, value_dim)
     beta_spec = head_block(per_step, 1, c)
+    in_specs = [qk_spec, qk_spec, value_spec, key_spec, beta_spec, head_block(rows, c)]
+    args = [q, k, v, g, beta, tinv]
+    scratch_shapes = []
+    if not carry_states:
+        in_specs.append(states_spec)
+        args.append(h)
+    else:
+        if has_initial_state:
+            in_specs.append(state_spec(varlen, 1, key_dim, value_dim))
+            args.append(h0)
+        state = pltpu.VMEM((1, key_dim, value_dim), jnp.float32)  # the carried state (and with varlen, the DMA slot)
+        scratch_shapes = [state, pltpu.VMEM((per_step * key_dim, value_dim), jnp.float32)] + [state] * varlen
+    in_specs += [states_spec, value_spec, value_spec, token_block(per_step * nf.ROWS_PER_CHUNK, value_dim)]
+    args += [dstate, ddelta, do, poison_rows]
     f32 = jnp.float32
     qk_grad_dtype = q.dtype if config.group == 1 else f32
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=3,
+        grid=(batch, heads, num_chunks // per_step),
+        in_specs=in_specs,
+        out_specs=[key_spec, key_spec, value_spec, beta_spec, key_spec],
+        scratch_shapes=scratch_shapes,
+    )
+    kernel = functools.partial(
+        intra_bwd_kernel,
+        config=config,
+        carry_states=carry_states,
+        has_initial_state=has_initial_state,
+        states_per_row=states_per_row,
+        packed=varlen,
+    )
     with jax.named_scope("kda_intra_bwd"):
         return pl.pallas_call(
-            functools.partial(intra_bwd_kernel, config=config),
-            grid=(batch, heads, num_chunks // per_step),
-            in_specs=[
-                qk_spec,
-                qk_spec,
-                value_spec,
-                key_spec,
-                beta_spec,
-                head_block(rows, c),
-                state_spec,
-                state_spec,
-                value_spec,
-                value_spec,
-                token_block(per_step * nf.ROWS_PER_CHUNK, value_dim),
-            ],
-            out_specs=[key_spec, key_spec, value_spec, beta_spec, key_spec],
+            kernel,
+            grid_spec=grid_spec,
             out_shape=[
                 jax.ShapeDtypeStruct(g.shape, qk_grad_dtype),
                 jax.ShapeDtypeStruct(g.shape, qk_grad_dtype),
@@ -282,10 +402,10 @@ def _launch_intra_bwd(q, k, v, g, beta, tinv, h, dstate, ddelta, do, poison_rows
                 jax.ShapeDtypeStruct(beta.shape, f32),
                 jax.ShapeDtypeStruct(g.shape, f32),
             ],
-            compiler_params=compiler_params(sequential_time=False),
+            compiler_params=compiler_params(sequential_time=carry_states),
             cost_estimate=intra_bwd_cost(
                 batch, heads, num_chunks, c, key_dim, value_dim, config.blocks.sub_chunk, config.mxu_dtype.itemsize
             ),
             interpret=config.interpret_arg,
             name="kda_intra_bwd",
-        )(q, k, v, g, beta, tinv, h, dstate, ddelta, do, poison_rows)
+        )(first, last, seq, *args)

@@ -2,10 +2,10 @@
 
 Forward:  intra (Tinv, Aqk) -> state (o, final states, poison rows; h only with `keep_states`):
           the state kernel writes each chunk's output as the recurrence passes it.
-Backward: state again (h; nothing but the inputs, Tinv and Aqk is kept from the forward),
-          or the forward's h with `keep_states` (FLA's disable_recompute)
-          -> reverse state gradient (dS per chunk, ddelta, d initial_state)
-          -> per-chunk gradients (dq, dk, dv, dbeta, dG).
+Backward: reverse state gradient (dS per chunk, ddelta, d initial_state)
+          -> per-chunk gradients (dq, dk, dv, dbeta, dG), which run the recurrence again along
+          the way (h; nothing but the inputs, Tinv and Aqk is kept from the forward), or take the
+          forward's h with `keep_states` (FLA's disable_recompute).
 Every kernel folds a `jax.vmap` axis into its batch axis, and differentiating the backward
 again raises a clear error (`gla_core.pallas_transforms`). Gradients of q/k are summed over
 the value heads that share them.
@@ -140,17 +140,14 @@ def _pipeline_bwd(config, residuals, cotangents):
     q, k, v, g, beta, h0, meta, tinv, aqk, h, poison_rows, final_bad = residuals
     do, dht = cotangents
     kernel = config.kernel
-    if h is None:
-        recompute = StateOutputs(has_initial_state=config.has_initial_state)
-        h, _, _, _ = launch_state(
-            k, v, g, beta, tinv, h0, meta, kernel, recompute, config.states_per_row, config.varlen
-        )
     if dht is not None:  # the chain rule through the poisoned final states
         dht = _poisoned_states(_mask_empty(dht.astype(jnp.float32), meta.empty), final_bad)
     value_heads = beta.shape[1]
     per_sequence = (config.has_initial_state, config.states_per_row, config.varlen)
     dstate, ddelta, dh0 = launch_state_bwd(q, k, g, beta, tinv, aqk, do, poison_rows, dht, meta, kernel, *per_sequence)
-    dq, dk, dv, dbeta, dg = launch_intra_bwd(q, k, v, g, beta, tinv, h, dstate, ddelta, do, poison_rows, kernel)
+    dq, dk, dv, dbeta, dg = launch_intra_bwd(
+        q, k, v, g, beta, tinv, h, dstate, ddelta, do, poison_rows, kernel, meta, h0, *per_sequence
+    )
     if dh0 is not None:
         dh0 = _mask_empty(dh0, meta.empty).astype(h0.dtype)
     return (

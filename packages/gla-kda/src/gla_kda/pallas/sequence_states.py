@@ -35,6 +35,29 @@ def state_spec(packed: bool, heads: int, key_dim: int, value_dim: int) -> pl.Blo
     return pl.BlockSpec((None, heads, key_dim, value_dim), lambda b, j, t, *_: (b, j, 0, 0))
 
 
+def starts_row(t, first_ref, per_step: int, packed: bool):
+    """Whether grid step t (walking time forwards) starts its batch row's carried state over: its
+    first step, or (one sequence per row) a step whose first chunk starts the sequence. A packed
+    row restarts chunk by chunk instead (`SequenceStates.restart_finite`)."""
+    return (t == 0) if packed else (t == 0) | (first_ref[t * per_step] == 1)
+
+
+def initial_states(h0_ref, state_ref, poisoned_ref=None):
+    """Sets the carried states [m, K, V] to the initial states h0 [m, K, V] (raw) with non-finite
+    entries read as 0 (zeros when h0_ref is None), and the poisoned columns [m, 1, V] (if given) to
+    h0's non-finite columns (`poison.nonfinite_columns`)."""
+    if h0_ref is None:
+        state_ref[...] = jnp.zeros(state_ref.shape, state_ref.dtype)
+        if poisoned_ref is not None:
+            poisoned_ref[...] = jnp.zeros(poisoned_ref.shape, poisoned_ref.dtype)
+        return
+    for i in range(state_ref.shape[0]):
+        raw = h0_ref[i].astype(jnp.float32)
+        state_ref[i] = finite(raw)
+        if poisoned_ref is not None:
+            poisoned_ref[i] = nonfinite_columns(raw)
+
+
 @dataclasses.dataclass(frozen=True)
 class SequenceStates:
     """The per-sequence states a state kernel walking a packed row reads and writes.

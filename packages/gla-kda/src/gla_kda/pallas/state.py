@@ -44,7 +44,7 @@ from gla_core.kit import KERNEL_VMEM_BUDGET_BYTES, fold_vmap, row_to_column
 from gla_kda.pallas import chunk_math as cm
 from gla_kda.pallas import poison as nf
 from gla_kda.pallas.config import KernelConfig, compiler_params, head_index, token_block
-from gla_kda.pallas.sequence_states import SequenceStates, state_spec
+from gla_kda.pallas.sequence_states import SequenceStates, initial_states, starts_row, state_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,9 +79,9 @@ def wy_delta(k, v, decays: cm.Decays, beta, tinv, state, dtype):
     return cm.dot(tinv, beta * projected, dtype)
 
 
-def advance_state(k, decays: cm.Decays, delta, state, dtype):
-    """State after the chunk: exp(G_last) * S + (k exp(G_last - G))^T delta, [K, V] float32."""
-    k_to_end = k * jnp.exp(decays.to_end)
+def advance_state(k_to_end, decays: cm.Decays, delta, state, dtype):
+    """State after the chunk: exp(G_last) * S + (k exp(G_last - G))^T delta, [K, V] float32, from
+    k_to_end = k exp(G_last - G) [C, K]."""
     return row_to_column(jnp.exp(decays.total)) * state + cm.dot(k_to_end, delta, dtype, trans_a=True)
 
 
@@ -93,21 +93,6 @@ def chunk_output(raw_q, decays: cm.Decays, state, aqk, delta, poison_row, config
     decayed_q = raw_q.astype(cm.F32) * config.scale * jnp.exp(decays.cum)
     o = cm.dot(decayed_q, state, config.mxu_dtype) + cm.dot(aqk, delta, config.mxu_dtype)
     return nf.poison(o, poison_row, raw_q)
-
-
-def _initial_states(h0_ref, state_ref, poisoned_ref):
-    """Sets the carried states [m, K, V] to the initial states h0 with non-finite entries read as 0
-    (zeros without h0), and the poisoned columns [m, 1, V] to h0's non-finite columns."""
-    if h0_ref is None:
-        state_ref[...] = jnp.zeros(state_ref.shape, state_ref.dtype)
-        if poisoned_ref is not None:
-            poisoned_ref[...] = jnp.zeros(poisoned_ref.shape, poisoned_ref.dtype)
-        return
-    for i in range(state_ref.shape[0]):
-        raw = h0_ref[i].astype(cm.F32)
-        state_ref[i] = cm.finite(raw)
-        if poisoned_ref is not None:
-            poisoned_ref[i] = nf.nonfinite_columns(raw)
 
 
 def state_kernel(
@@ -160,12 +145,9 @@ def state_kernel(
         (slot_ref,) = rest
         sequences = SequenceStates(first_ref, last_ref, seq_ref, h0_ref, ht_ref, slot_ref, states_per_row)
 
-    # Packed sequences restart chunk by chunk (`SequenceStates.restart_finite`) from a zero row start.
-    starts_row = (t == 0) if packed else (t == 0) | (first_ref[t * per_step] == 1)
-
-    @pl.when(starts_row)
+    @pl.when(starts_row(t, first_ref, per_step, packed))
     def _reset():
-        _initial_states(None if packed else h0_ref, state_ref, poisoned_ref)
+        initial_states(None if packed else h0_ref, state_ref, poisoned_ref)
 
     states = [state_ref[i] for i in range(heads)]
     poisoned = None if poisoned_ref is None else [poisoned_ref[i] for i in range(heads)]  # [1, V], 1: poisoned
@@ -188,7 +170,7 @@ def state_kernel(
             if o_ref is not None:
                 o = chunk_output(q_ref[rows, keys], decays, states[i], aqk_refs[i][rows, :], delta, row, config)
                 o_ref[rows, values] = o.astype(o_ref.dtype)
-            states[i] = advance_state(k, decays, delta, states[i], config.mxu_dtype)
+            states[i] = advance_state(k * jnp.exp(decays.to_end), decays, delta, states[i], config.mxu_dtype)
         if sequences is not None:
             sequences.emit(t * per_step + n, states)
     for i in range(heads):
