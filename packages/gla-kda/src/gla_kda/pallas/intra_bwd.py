@@ -37,7 +37,7 @@ from gla_kda.pallas import poison as nf
 from gla_kda.pallas.config import KernelConfig, compiler_params, head_block, token_block
 from gla_kda.pallas.gated_grads import diagonals_in_range, gated_grads
 from gla_kda.pallas.sequence_states import SequenceStates, initial_states, starts_row, state_spec
-from gla_kda.pallas.state import advance_state
+from gla_kda.pallas.state import advance_state, wy_delta
 
 
 def intra_bwd_kernel(
@@ -191,8 +191,8 @@ def chunk_forward(k, v, g, beta, tinv, state, config: KernelConfig) -> ChunkForw
     [C, 1]; tinv [C, C] (`config.store_dtype`); state [K, V]."""
     decays = cm.Decays.of_steps(g, cm.SubBlocks(config.blocks.chunk_size, config.blocks.sub_chunk))
     decay = jnp.exp(decays.cum)
-    projected = v - cm.dot(k * decay, state, config.mxu_dtype)
-    return ChunkForward(decays, decay, projected, cm.dot(tinv, beta * projected, config.mxu_dtype))
+    projected, delta = wy_delta(k * decay, v, beta, tinv, state, config.mxu_dtype)
+    return ChunkForward(decays, decay, projected, delta)
 
 
 def chunk_products(q, k, beta, tinv, state, dstate, ddelta, do, forward: ChunkForward, config: KernelConfig):

@@ -32,16 +32,20 @@ def _finite(x):
     return jnp.abs(x.astype(jnp.float32)) < jnp.inf
 
 
+def _nonfinite_flags(x, axis: int):
+    """x [R, D] reduced along `axis` (kept as 1): 1.0 where a NaN or an infinity is there, else 0.0
+    (float flags: Mosaic relayouts of one-row boolean vectors do not lower)."""
+    return jnp.max(jnp.where(_finite(x), 0.0, 1.0), axis=axis, keepdims=True)
+
+
 def nonfinite_columns(x):
-    """[R, V] -> [1, V] float32: 1 where the column holds a NaN or an infinity, else 0 (float flags:
-    Mosaic relayouts of one-row boolean vectors do not lower)."""
-    return jnp.max(jnp.where(_finite(x), 0.0, 1.0), axis=0, keepdims=True)
+    """[R, V] -> [1, V] float32: 1 where the column holds a NaN or an infinity, else 0."""
+    return _nonfinite_flags(x, 0)
 
 
 def nonfinite_rows(x):
     """[C, D] -> [C, 1] bool: the row holds a NaN or an infinity."""
-    bad = jnp.where(_finite(x), 0.0, 1.0)
-    return jnp.max(bad, axis=1, keepdims=True) > 0.0
+    return _nonfinite_flags(x, 1) > 0.0
 
 
 def _first(bad, axis: int):

@@ -73,10 +73,11 @@ class StateOutputs:
             raise InvalidArgumentError("StateOutputs: emit_output poisons o from the poison rows; it needs emit_poison")
 
 
-def wy_delta(k, v, decays: cm.Decays, beta, tinv, state, dtype):
-    """delta = Tinv beta (v - k exp(G) S) [C, V] float32 (same as u - w S)."""
-    projected = v - cm.dot(k * jnp.exp(decays.cum), state, dtype)
-    return cm.dot(tinv, beta * projected, dtype)
+def wy_delta(decayed_k, v, beta, tinv, state, dtype):
+    """(projected = v - k exp(G) S, delta = Tinv beta projected (same as u - w S)), each [C, V]
+    float32, from decayed_k = k exp(G) [C, K]."""
+    projected = v - cm.dot(decayed_k, state, dtype)
+    return projected, cm.dot(tinv, beta * projected, dtype)
 
 
 def advance_state(k_to_end, decays: cm.Decays, delta, state, dtype):
@@ -85,12 +86,13 @@ def advance_state(k_to_end, decays: cm.Decays, delta, state, dtype):
     return row_to_column(jnp.exp(decays.total)) * state + cm.dot(k_to_end, delta, dtype, trans_a=True)
 
 
-def chunk_output(raw_q, decays: cm.Decays, state, aqk, delta, poison_row, config: KernelConfig):
-    """o = scale (q exp(G)) S + Aqk delta [C, V] float32 of one chunk, poisoned (`poison.poison`).
+def chunk_output(raw_q, decay, state, aqk, delta, poison_row, config: KernelConfig):
+    """o = scale (q exp(G)) S + Aqk delta [C, V] float32 of one chunk, poisoned (`poison.poison`),
+    from decay = exp(G) [C, K].
 
     raw_q [C, K] is not cleaned: a non-finite q_t reaches only row t, which is poisoned anyway.
     """
-    decayed_q = raw_q.astype(cm.F32) * config.scale * jnp.exp(decays.cum)
+    decayed_q = raw_q.astype(cm.F32) * config.scale * decay
     o = cm.dot(decayed_q, state, config.mxu_dtype) + cm.dot(aqk, delta, config.mxu_dtype)
     return nf.poison(o, poison_row, raw_q)
 
@@ -162,13 +164,14 @@ def state_kernel(
             raw_k, raw_v, raw_beta = k_ref[rows, keys], v_ref[rows, values], beta_refs[i][n]
             decays = cm.Decays.of_steps(g_ref[rows, keys], sb, config.compensated_decays)
             k, v, beta = cm.finite(raw_k), cm.finite(raw_v), row_to_column(cm.finite(raw_beta))
-            delta = wy_delta(k, v, decays, beta, tinv_refs[i][rows, :], states[i], config.mxu_dtype)
+            decay = jnp.exp(decays.cum)
+            _, delta = wy_delta(k * decay, v, beta, tinv_refs[i][rows, :], states[i], config.mxu_dtype)
             if poisoned is not None:
                 row = nf.chunk_poison(raw_k, g_ref[rows, keys], raw_beta, raw_v, poisoned[i])
                 nf.write_chunk_row(poison_ref, n, values, row)
                 poisoned[i] = jnp.where(row < c, 1.0, 0.0)
             if o_ref is not None:
-                o = chunk_output(q_ref[rows, keys], decays, states[i], aqk_refs[i][rows, :], delta, row, config)
+                o = chunk_output(q_ref[rows, keys], decay, states[i], aqk_refs[i][rows, :], delta, row, config)
                 o_ref[rows, values] = o.astype(o_ref.dtype)
             states[i] = advance_state(k * jnp.exp(decays.to_end), decays, delta, states[i], config.mxu_dtype)
         if sequences is not None:
