@@ -68,17 +68,19 @@ CASES = {
         output_final_state=True,
     ),
     "bf16_h0_ht": dict(seq_len=128, dtype=jnp.bfloat16, initial_state=True, output_final_state=True),
-    # The state kernel and the reverse state-gradient kernel take several value heads per grid
-    # step (`state_heads_per_step`, `state_grad_heads_per_step`; `test_state_heads_per_step` checks
-    # the counts): H=6 -> 3 heads per step (two blocks of heads) forward, 2 (three blocks) in the
-    # reverse kernel, and 10 chunks of 16 -> 5 chunks per step, two sequential time steps (the
-    # final-state cotangent enters at one end, dh0 leaves at the other).
+    # The state kernels and the gradient kernel take several value heads per grid step
+    # (`state_heads_per_step`, `state_grad_heads_per_step`, `grad_heads_per_step`;
+    # `test_heads_per_step` checks the counts): H=6 -> 3 heads per step (two blocks of heads)
+    # forward, 2 (three blocks) in the reverse and the gradient kernels, and 10 chunks of 16 -> 5
+    # chunks per step, two sequential time steps (the final-state cotangent enters at one end, dh0
+    # leaves at the other); 2 chunks per step, five time steps, in the gradient kernel.
     "state_3_heads_per_step_2_time_steps_batch2_h0_ht": dict(
         batch=2, seq_len=160, num_heads=6, chunk_size=16, initial_state=True, output_final_state=True
     ),
     # Packed sequences: 14 chunks of 16 (the worst case 13 rounded up to two steps of 7), so one
     # sequence ends and the next starts inside a grid step of the state kernels (their states move
-    # by DMA); 4 heads per step forward, 2 in the reverse kernel.
+    # by DMA); 4 heads per step forward, 2 in the reverse and the gradient kernels (which
+    # `test_gradient_kernel_steps_hold_sequence_edges` runs at 7 chunks per step as well).
     "state_4_heads_per_step_varlen_h0_ht": dict(
         seq_len=150,
         num_heads=4,
@@ -94,11 +96,15 @@ CASES = {
 }
 
 
-def test_state_heads_per_step():
-    """The value heads per step of the state and reverse state-gradient kernels in the cases above
-    (default `state_heads_per_step`, `state_grad_heads_per_step`)."""
+def test_heads_per_step():
+    """The value heads per step of the state, reverse state-gradient and gradient kernels in the
+    cases above (default `state_heads_per_step`, `state_grad_heads_per_step`, `grad_heads_per_step`)."""
     blocks = BlockSizes()
-    for most, counts in ((blocks.state_heads_per_step, [3, 4, 1]), (blocks.state_grad_heads_per_step, [2, 2, 1])):
+    for most, counts in (
+        (blocks.state_heads_per_step, [3, 4, 1]),
+        (blocks.state_grad_heads_per_step, [2, 2, 1]),
+        (blocks.grad_heads_per_step, [2, 2, 1]),
+    ):
         assert [heads_per_step(6, 1, most), heads_per_step(4, 1, most), heads_per_step(4, 2, most)] == counts
     assert [heads_per_step(16, 1, 4), heads_per_step(7, 1, 4), heads_per_step(1, 1, 4)] == [4, 1, 1]
 
@@ -109,6 +115,14 @@ def test_packed_state_steps_hold_sequence_edges():
     blocks = BlockSizes.for_chunk(16)
     num_chunks = num_padded_chunks(150, 3, 16, blocks.chunks_per_step)
     assert (num_chunks, blocks.per_step(num_chunks)) == (14, 7)
+
+
+def test_gradient_kernel_steps_hold_sequence_edges(chunk_runner):
+    """The packed case above with 7 chunks per step of the gradient kernel, 2 value heads each:
+    sequence 0 ends and sequence 2 starts inside its first grid step, so both heads' carried
+    states restart from h0 mid-step (`SequenceStates.restart_finite`)."""
+    case = make_case("kda", **CASES["state_4_heads_per_step_varlen_h0_ht"])
+    check_against_oracle(chunk_runner(case, dict(grad_chunks_per_step=7)), case)
 
 
 def _report(case, errors) -> str:
@@ -228,7 +242,13 @@ def test_nonfinite_inputs_poison_across_grid_steps(chunk_runner, nonfinite_case,
     """The same with one chunk and one value head per grid step: the state kernel carries the
     columns a non-finite input reached from grid step to grid step (`gla_kda.pallas.poison`)."""
     case, clean = nonfinite_case(name)
-    one_per_step = dict(chunks_per_step=1, grad_chunks_per_step=1, state_heads_per_step=1, state_grad_heads_per_step=1)
+    one_per_step = dict(
+        chunks_per_step=1,
+        grad_chunks_per_step=1,
+        state_heads_per_step=1,
+        state_grad_heads_per_step=1,
+        grad_heads_per_step=1,
+    )
     nonfinite_check(chunk_runner(case, one_per_step), case, clean)
 
 

@@ -23,22 +23,24 @@ DEFAULTS = {
     "kernel_chunk": None,
     "anchor_range": None,
     "chunks_per_step": 8,
-    "grad_chunks_per_step": 4,
+    "grad_chunks_per_step": 2,
     "state_heads_per_step": 4,
     "state_grad_heads_per_step": 2,
+    "grad_heads_per_step": 2,
 }
 # v6e's row (v7x borrows it): chunks of 128.
 V6E_ROW = {
     "kernel_chunk": 128,
     "anchor_range": None,
     "chunks_per_step": 8,
-    "grad_chunks_per_step": 4,
+    "grad_chunks_per_step": 2,
     "state_heads_per_step": 4,
     "state_grad_heads_per_step": 2,
+    "grad_heads_per_step": 2,
 }
 # v5e's own row: half the chunks per grid step, so kda_state fits v5e's 16 MiB of scoped VMEM
-# (`test_chunk_tpu_compile.py`), and half the gradient kernel's.
-V5E_ROW = {**V6E_ROW, "chunks_per_step": 4, "grad_chunks_per_step": 2}
+# (`test_chunk_tpu_compile.py`), and one value head per step of the gradient kernel.
+V5E_ROW = {**V6E_ROW, "chunks_per_step": 4, "grad_heads_per_step": 1}
 
 
 def _kwargs() -> dict:
@@ -53,6 +55,7 @@ def _kwargs() -> dict:
         ({"grad_chunks_per_step": 2.0}, r"grad_chunks_per_step: expected a positive int, got 2\.0"),
         ({"state_heads_per_step": True}, r"state_heads_per_step: expected a positive int, got True"),
         ({"state_grad_heads_per_step": -1}, r"state_grad_heads_per_step: expected a positive int, got -1"),
+        ({"grad_heads_per_step": 0}, r"grad_heads_per_step: expected a positive int, got 0"),
         ({"anchor_range": -1}, r"anchor_range: expected None \(the default of the input dtype\) .* got -1"),
     ],
 )
@@ -127,6 +130,7 @@ CHUNK_128_CASES = {
             grad_chunks_per_step=1,
             state_heads_per_step=1,
             state_grad_heads_per_step=1,
+            grad_heads_per_step=1,
         ),
     ),
     # Packed sequences: a length-1, a length-0 and two that cross the chunk boundary, grouped value heads.

@@ -14,7 +14,6 @@ from gla_core.kit import NUM_SUBLANES, default_anchor_range, interpret_params
 
 DEFAULT_SUB_CHUNK = 16
 DEFAULT_CHUNKS_PER_STEP = 8
-DEFAULT_GRAD_CHUNKS_PER_STEP = 4
 # Value heads per grid step of the forward state recurrence: their chains of dependent matrix
 # products interleave. The v6e static estimate of the kernel alone at B=1 T=1024 H=16: 216k cycles
 # with 1 head per step, 131k with 2, 107k with 4, 110k with 8 (twice the VMEM of 4).
@@ -23,6 +22,12 @@ DEFAULT_STATE_HEADS_PER_STEP = 4
 # estimate, B=1 T=1024 H=16): 171k cycles with 1 head per step, 123k with 2, 128k with 4, 126k
 # with 8 (VMEM 4.0, 8.0, 15 MiB for 2, 4, 8).
 DEFAULT_STATE_GRAD_HEADS_PER_STEP = 2
+# Value heads and chunks per grid step of the per-chunk gradient kernel (`intra_bwd`): the heads'
+# carried state chains interleave as in the state kernels. v6e static estimate of the kernel in
+# the training step at B=2 T=4096 H=16, heads x chunks: 1 x 4 1,827k cycles, 2 x 2 1,709k,
+# 4 x 1 1,767k, 2 x 1 1,852k, 2 x 4 1,848k (37.7 MiB of VMEM; 19.4 MiB at 2 x 2).
+DEFAULT_GRAD_HEADS_PER_STEP = 2
+DEFAULT_GRAD_CHUNKS_PER_STEP = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,11 +44,13 @@ class BlockSizes:
         in the parallel kernels, independent chains the scheduler interleaves). `per_step`
         picks the largest divisor of the chunk count not above it (a packed row's chunk count
         is rounded up to split evenly, `gla_core.varlen.even_step_chunks`).
-      grad_chunks_per_step: the same for the per-chunk gradient kernel, which holds about twice
-        the VMEM per chunk (8 chunks of K = V = 128 take 14.8 MiB of v5e's 16 MiB scoped VMEM).
+      grad_chunks_per_step: the same for the per-chunk gradient kernel.
       state_heads_per_step: the most value heads one grid step of the forward state recurrence
         takes (a divisor of HV; 1 when value heads share q/k heads).
       state_grad_heads_per_step: the same for the reverse state-gradient recurrence.
+      grad_heads_per_step: the same for the per-chunk gradient kernel; its VMEM grows with
+        grad_heads_per_step * grad_chunks_per_step (K = V = 128: 19.4 MiB at 2 x 2, 37.7 MiB
+        at 2 x 4).
     """
 
     chunk_size: int = 64
@@ -52,6 +59,7 @@ class BlockSizes:
     grad_chunks_per_step: int = DEFAULT_GRAD_CHUNKS_PER_STEP
     state_heads_per_step: int = DEFAULT_STATE_HEADS_PER_STEP
     state_grad_heads_per_step: int = DEFAULT_STATE_GRAD_HEADS_PER_STEP
+    grad_heads_per_step: int = DEFAULT_GRAD_HEADS_PER_STEP
 
     def __post_init__(self):
         if self.sub_chunk % NUM_SUBLANES or self.chunk_size % self.sub_chunk:
@@ -64,6 +72,7 @@ class BlockSizes:
             "grad_chunks_per_step",
             "state_heads_per_step",
             "state_grad_heads_per_step",
+            "grad_heads_per_step",
         ):
             if getattr(self, name) < 1:
                 raise InvalidArgumentError(f"{name}: expected a positive count, got {getattr(self, name)}")

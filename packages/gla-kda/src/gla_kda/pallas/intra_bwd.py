@@ -31,13 +31,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from gla_core.kit import column_to_row, fold_vmap, row_to_column
+from gla_core.kit import KERNEL_VMEM_BUDGET_BYTES, column_to_row, fold_vmap, row_to_column
 from gla_kda.pallas import chunk_math as cm
 from gla_kda.pallas import poison as nf
-from gla_kda.pallas.config import KernelConfig, compiler_params, head_block, token_block
+from gla_kda.pallas.config import KernelConfig, compiler_params, head_index, token_block
 from gla_kda.pallas.gated_grads import diagonals_in_range, gated_grads
 from gla_kda.pallas.sequence_states import SequenceStates, initial_states, starts_row, state_spec
-from gla_kda.pallas.state import advance_state, wy_delta
+from gla_kda.pallas.state import advance_state, heads_per_step, wy_delta
 
 
 def intra_bwd_kernel(
@@ -46,45 +46,50 @@ def intra_bwd_kernel(
     seq_ref,
     *refs,
     config: KernelConfig,
+    heads: int,
     carry_states: bool,
     has_initial_state: bool,
     states_per_row: int,
     packed: bool,
 ):
-    """Blocks of n chunks of one value head: q, k [n*C, K] (input dtype, non-finite entries read as 0);
-    v [n*C, V] (non-finite entries read as 0); g [n*C, K] raw per-step log decays (cleaned and
-    cumsummed here, `chunk_math.Decays.of_steps`); beta [n, 1, C] (non-finite entries read as 0);
-    tinv [n*C, C]; the states: h [n*K, V] (the state before each chunk), or with `carry_states`
-    h0 [1, K, V] raw (if `has_initial_state`; with `packed` every sequence's [N, HV, K, V] in
-    HBM); dstate [n*K, V]; ddelta, do [n*C, V] (do poisoned here as the forward poisoned o, from
-    its poison rows [n*8, V]: `gla_kda.pallas.poison`).
+    """Blocks of n chunks of m = `heads` consecutive value heads (head i's lanes i*K.. or i*V..): q, k
+    [n*C, m*K] (input dtype, non-finite entries read as 0); v [n*C, m*V] (non-finite entries read
+    as 0); g [n*C, m*K] raw per-step log decays (cleaned and cumsummed here,
+    `chunk_math.Decays.of_steps`); per head, beta [n, 1, C] (non-finite entries read as 0) and tinv
+    [n*C, C]; the states: h [n*K, m*V] (the state before each chunk), or with `carry_states` h0
+    [m, K, V] raw (if `has_initial_state`; with `packed` every sequence's [N, HV, K, V] in HBM);
+    dstate [n*K, m*V]; ddelta, do [n*C, m*V] (do poisoned here as the forward poisoned o, from its
+    poison rows [n*8, m*V]: `gla_kda.pallas.poison`).
 
-    Outputs: dq, dk [n*C, K] (per value head, dq already multiplied by scale) and dv [n*C, V], each
-    in its ref's dtype; dg [n*C, K] float32 with respect to the raw log decays (through their
-    cleaning, `chunk_math.clean_log_decay_grad`); dbeta [n, 1, C] float32.
+    Outputs: dq, dk [n*C, m*K] (per value head, dq already multiplied by scale) and dv [n*C, m*V],
+    each in its ref's dtype; dg [n*C, m*K] float32 with respect to the raw log decays (through their
+    cleaning, `chunk_math.clean_log_decay_grad`); per head, dbeta [n, 1, C] float32.
 
     With `carry_states` the kernel runs the forward recurrence itself (the grid's time axis is
-    sequential): the state before chunk n is carried in the scratch [1, K, V] float32 and advanced
-    with the chunk's delta, which the gradient forms anyway (`state.advance_state`), so the states
-    need neither a kernel of their own nor a trip through HBM; scratch [n*K, V] float32 keeps the
-    step's states for the recomputed exact step, and with `packed` the DMA slot [1, K, V].
-    Otherwise the chunks are independent.
+    sequential): the state of head i before chunk n is carried in the scratch [m, K, V] float32 and
+    advanced with the chunk's delta, which the gradient forms anyway (`state.advance_state`), so the
+    states need neither a kernel of their own nor a trip through HBM; the m heads' chains of
+    dependent products interleave. Scratch [n*K, m*V] float32 keeps the step's states for the
+    recomputed exact step, and with `packed` the DMA slot [m, K, V]. Otherwise the chunks are
+    independent.
     """
     refs = list(refs)
-    q_ref, k_ref, v_ref, g_ref, beta_ref, tinv_ref = refs[:6]
-    rest = refs[6:]
+    q_ref, k_ref, v_ref, g_ref = refs[:4]
+    beta_refs, tinv_refs = refs[4 : 4 + heads], refs[4 + heads : 4 + 2 * heads]
+    rest = refs[4 + 2 * heads :]
     h_ref = h0_ref = None
     if not carry_states:
         h_ref = rest.pop(0)
     elif has_initial_state:
         h0_ref = rest.pop(0)
     dstate_ref, ddelta_ref, do_ref, poison_ref = rest[:4]
-    dq_ref, dk_ref, dv_ref, dbeta_ref, dg_ref = rest[4:9]
-    scratch = rest[9:]
-    c, key_dim = config.blocks.chunk_size, q_ref.shape[-1]
-    per_step = beta_ref.shape[0]
-    chunks = range(per_step)
-    carry, sequences, t = None, None, pl.program_id(2)
+    dq_ref, dk_ref, dv_ref, dg_ref = rest[4:8]
+    dbeta_refs = rest[8 : 8 + heads]
+    scratch = rest[8 + heads :]
+    c = config.blocks.chunk_size
+    key_dim, value_dim = q_ref.shape[-1] // heads, v_ref.shape[-1] // heads
+    per_step = beta_refs[0].shape[0]
+    carries, sequences, t = None, None, pl.program_id(2)
     if carry_states:
         state_ref, h_ref = scratch[:2]
         if packed:
@@ -94,48 +99,57 @@ def intra_bwd_kernel(
         def _reset():
             initial_states(None if packed else h0_ref, state_ref)
 
-        carry = state_ref[0]
+        carries = [state_ref[i] for i in range(heads)]
 
-    def write(anchor_range, carry):
+    def write(anchor_range, carries):
         """Writes every output, the diagonal sub-blocks anchored within `anchor_range` (None: exact);
-        returns the chunks' `Decays`. With `carry`, the carried state [K, V] before the step's first
-        chunk: the states are advanced from it (and kept in h_ref); without, read from h_ref."""
-        products = []
-        for n in chunks:
+        returns the chunks' `Decays`. With `carries`, each head's carried state [K, V] before the
+        step's first chunk: the states are advanced from them (and kept in h_ref); without, read
+        from h_ref."""
+        products = {}
+        for n in range(per_step):
             rows, state_rows = pl.ds(n * c, c), pl.ds(n * key_dim, key_dim)
-            if carry is not None:
-                if sequences is not None:
-                    (carry,), _ = sequences.restart_finite(t * per_step + n, [carry], None)
-                h_ref[state_rows, :] = carry
-                state = carry
-            else:
-                state = h_ref[state_rows, :].astype(cm.F32)
-            raw_q, k = q_ref[rows, :], cm.finite(k_ref[rows, :])
-            beta, tinv = row_to_column(cm.finite(beta_ref[n])), tinv_ref[rows, :]
-            forward = chunk_forward(k, cm.finite(v_ref[rows, :]), g_ref[rows, :], beta, tinv, state, config)
-            do = nf.poison_chunk(do_ref[rows, :].astype(cm.F32), poison_ref, n, raw_q)
-            dstate, ddelta = dstate_ref[state_rows, :].astype(cm.F32), ddelta_ref[rows, :].astype(cm.F32)
-            chunk = chunk_products(
-                cm.finite(raw_q) * config.scale, k, beta, tinv, state, dstate, ddelta, do, forward, config
-            )
-            products.append(chunk)
-            if carry is not None:
-                carry = advance_state(chunk.k * chunk.to_end, chunk.decays, chunk.delta, carry, config.mxu_dtype)
-        if carry is not None:
-            state_ref[0] = carry
+            if carries is not None and sequences is not None:
+                carries, _ = sequences.restart_finite(t * per_step + n, carries, None)
+            for i in range(heads):
+                keys, values = pl.ds(i * key_dim, key_dim), pl.ds(i * value_dim, value_dim)
+                if carries is not None:
+                    h_ref[state_rows, values] = carries[i]
+                    state = carries[i]
+                else:
+                    state = h_ref[state_rows, values].astype(cm.F32)
+                raw_q, k = q_ref[rows, keys], cm.finite(k_ref[rows, keys])
+                beta, tinv = row_to_column(cm.finite(beta_refs[i][n])), tinv_refs[i][rows, :]
+                v = cm.finite(v_ref[rows, values])
+                forward = chunk_forward(k, v, g_ref[rows, keys], beta, tinv, state, config)
+                do = nf.poison_chunk(do_ref[rows, values].astype(cm.F32), poison_ref, n, raw_q, values)
+                dstate = dstate_ref[state_rows, values].astype(cm.F32)
+                ddelta = ddelta_ref[rows, values].astype(cm.F32)
+                chunk = chunk_products(
+                    cm.finite(raw_q) * config.scale, k, beta, tinv, state, dstate, ddelta, do, forward, config
+                )
+                products[n, i] = chunk
+                if carries is not None:
+                    carries[i] = advance_state(
+                        chunk.k * chunk.to_end, chunk.decays, chunk.delta, carries[i], config.mxu_dtype
+                    )
+        if carries is not None:
+            for i in range(heads):
+                state_ref[i] = carries[i]
         # Second stage once every chunk's products are issued: the chunks' chains interleave.
-        for n, chunk in zip(chunks, products, strict=True):
+        for (n, i), chunk in products.items():
             rows = pl.ds(n * c, c)
+            keys, values = pl.ds(i * key_dim, key_dim), pl.ds(i * value_dim, value_dim)
             dq, dk, dv, dbeta, dg = chunk_grads(chunk, config, anchor_range)
-            dq_ref[rows, :] = (dq * config.scale).astype(dq_ref.dtype)
-            dk_ref[rows, :] = dk.astype(dk_ref.dtype)
-            dv_ref[rows, :] = dv.astype(dv_ref.dtype)
-            dbeta_ref[n] = column_to_row(dbeta)
-            dg_ref[rows, :] = cm.clean_log_decay_grad(g_ref[rows, :], dg)
-        return [chunk.decays for chunk in products]
+            dq_ref[rows, keys] = (dq * config.scale).astype(dq_ref.dtype)
+            dk_ref[rows, keys] = dk.astype(dk_ref.dtype)
+            dv_ref[rows, values] = dv.astype(dv_ref.dtype)
+            dbeta_refs[i][n] = column_to_row(dbeta)
+            dg_ref[rows, keys] = cm.clean_log_decay_grad(g_ref[rows, keys], dg)
+        return [chunk.decays for chunk in products.values()]
 
     anchor_range = config.anchor
-    decays = write(anchor_range, carry)
+    decays = write(anchor_range, carries)
     if anchor_range is None:
         return
     # A step with a chunk out of the anchor range is recomputed with the exact diagonal sub-blocks
@@ -355,57 +369,67 @@ def _launch_intra_bwd(
     num_chunks = padded_len // c
     per_step = config.blocks.per_step(num_chunks, config.blocks.grad_chunks_per_step)
     rows = per_step * c
-    qk_spec = token_block(rows, key_dim, config.group)
-    key_spec = token_block(rows, key_dim)
-    value_spec = token_block(rows, value_dim)
-    states_spec = token_block(per_step * key_dim, value_dim)
-    beta_spec = head_block(per_step, 1, c)
-    in_specs = [qk_spec, qk_spec, value_spec, key_spec, beta_spec, head_block(rows, c)]
-    args = [q, k, v, g, beta, tinv]
+    m = heads_per_step(heads, config.group, config.blocks.grad_heads_per_step)
+    qk_spec = token_block(rows, m * key_dim, config.group)
+    key_spec = token_block(rows, m * key_dim)
+    value_spec = token_block(rows, m * value_dim)
+    states_spec = token_block(per_step * key_dim, m * value_dim)
+    in_specs = [qk_spec, qk_spec, value_spec, key_spec]
+    in_specs += [pl.BlockSpec((None, None, per_step, 1, c), head_index(i, m, 5)) for i in range(m)]
+    in_specs += [pl.BlockSpec((None, None, rows, c), head_index(i, m, 4)) for i in range(m)]
+    args = [q, k, v, g, *(beta,) * m, *(tinv,) * m]
     scratch_shapes = []
     if not carry_states:
         in_specs.append(states_spec)
         args.append(h)
     else:
         if has_initial_state:
-            in_specs.append(state_spec(varlen, 1, key_dim, value_dim))
+            in_specs.append(state_spec(varlen, m, key_dim, value_dim))
             args.append(h0)
-        state = pltpu.VMEM((1, key_dim, value_dim), jnp.float32)  # the carried state (and with varlen, the DMA slot)
-        scratch_shapes = [state, pltpu.VMEM((per_step * key_dim, value_dim), jnp.float32)] + [state] * varlen
-    in_specs += [states_spec, value_spec, value_spec, token_block(per_step * nf.ROWS_PER_CHUNK, value_dim)]
+        state = pltpu.VMEM((m, key_dim, value_dim), jnp.float32)  # the carried states (and with varlen, the DMA slot)
+        scratch_shapes = [state, pltpu.VMEM((per_step * key_dim, m * value_dim), jnp.float32)] + [state] * varlen
+    in_specs += [states_spec, value_spec, value_spec, token_block(per_step * nf.ROWS_PER_CHUNK, m * value_dim)]
     args += [dstate, ddelta, do, poison_rows]
     f32 = jnp.float32
     qk_grad_dtype = q.dtype if config.group == 1 else f32
+    # One dbeta per head of a step, [B, HV/m, NT, 1, C] each: a block of m heads of the head-major
+    # dbeta makes libtpu's static profile estimate 0 cycles for the kernel (as `state.py` says of
+    # its inputs); the heads are interleaved back in XLA (B*HV*T floats).
+    dbeta_spec = pl.BlockSpec((None, None, per_step, 1, c), lambda b, j, t, *_: (b, j, t, 0, 0))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
-        grid=(batch, heads, num_chunks // per_step),
+        grid=(batch, heads // m, num_chunks // per_step),
         in_specs=in_specs,
-        out_specs=[key_spec, key_spec, value_spec, beta_spec, key_spec],
+        out_specs=[key_spec, key_spec, value_spec, key_spec] + [dbeta_spec] * m,
         scratch_shapes=scratch_shapes,
     )
     kernel = functools.partial(
         intra_bwd_kernel,
         config=config,
+        heads=m,
         carry_states=carry_states,
         has_initial_state=has_initial_state,
         states_per_row=states_per_row,
         packed=varlen,
     )
+    dbeta_of_heads = jax.ShapeDtypeStruct((batch, heads // m, num_chunks, 1, c), f32)
     with jax.named_scope("kda_intra_bwd"):
-        return pl.pallas_call(
+        dq, dk, dv, dg, *dbetas = pl.pallas_call(
             kernel,
             grid_spec=grid_spec,
             out_shape=[
                 jax.ShapeDtypeStruct(g.shape, qk_grad_dtype),
                 jax.ShapeDtypeStruct(g.shape, qk_grad_dtype),
                 jax.ShapeDtypeStruct(v.shape, v.dtype),
-                jax.ShapeDtypeStruct(beta.shape, f32),
                 jax.ShapeDtypeStruct(g.shape, f32),
+                *(dbeta_of_heads,) * m,
             ],
-            compiler_params=compiler_params(sequential_time=carry_states),
+            compiler_params=compiler_params(sequential_time=carry_states, vmem_limit_bytes=KERNEL_VMEM_BUDGET_BYTES),
             cost_estimate=intra_bwd_cost(
                 batch, heads, num_chunks, c, key_dim, value_dim, config.blocks.sub_chunk, config.mxu_dtype.itemsize
             ),
             interpret=config.interpret_arg,
             name="kda_intra_bwd",
         )(first, last, seq, *args)
+    dbeta = dbetas[0] if m == 1 else jnp.stack(dbetas, axis=2).reshape(beta.shape)
+    return dq, dk, dv, dbeta, dg

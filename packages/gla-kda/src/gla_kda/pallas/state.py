@@ -189,9 +189,10 @@ def state_kernel(
 
 
 def heads_per_step(value_heads: int, group: int, most: int) -> int:
-    """Value heads per grid step of the state recurrence: the largest divisor of `value_heads` not
-    above `most`, or 1 when value heads share q/k heads (`group` > 1: the k block of a step is then
-    not one slab of consecutive heads)."""
+    """Value heads per grid step of a kernel that takes consecutive value heads (the state
+    recurrences, the per-chunk gradient): the largest divisor of `value_heads` not above `most`,
+    or 1 when value heads share q/k heads (`group` > 1: the k block of a step is then not one
+    slab of consecutive heads)."""
     if group > 1:
         return 1
     return max(m for m in range(1, min(most, value_heads) + 1) if value_heads % m == 0)
