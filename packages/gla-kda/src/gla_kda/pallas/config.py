@@ -13,6 +13,13 @@ from gla_core.errors import InvalidArgumentError
 from gla_core.kit import NUM_SUBLANES, default_anchor_range, interpret_params
 
 DEFAULT_SUB_CHUNK = 16
+# Sub-block of the gradient kernel (`intra_bwd`): its off-diagonal sub-blocks take elementwise work
+# over every row before each sub-block (C^2 / 2s rows per chunk), its diagonal ones one masked
+# [C, C] product whatever s is. v6e static estimate of the kernel at B=1 T=2048 H=4 (training,
+# 2 heads x 2 chunks per step): 136.8k cycles at s = 8, 108.2k at 16, 95.8k at 32, 91.9k at 64.
+# 32 keeps the anchored diagonal sub-blocks valid up to about 2 per step of |g| in bfloat16
+# (an exponent range of 30 over 16 steps either side of the middle row).
+DEFAULT_GRAD_SUB_CHUNK = 32
 DEFAULT_CHUNKS_PER_STEP = 8
 # Value heads per grid step of the forward state recurrence: their chains of dependent matrix
 # products interleave. The v6e static estimate of the kernel alone at B=1 T=1024 H=16: 216k cycles
@@ -40,6 +47,8 @@ class BlockSizes:
       sub_chunk: s, rows per sub-block. Decays inside a chunk are anchored at sub-block
         boundaries (no exponent is ever positive), and (I + Akk)^-1 is solved block by block.
         A multiple of 8 that divides C.
+      grad_sub_chunk: the same for the gradient kernel (`intra_bwd`), which sets it apart; None
+        (the default) for min(32, C).
       chunks_per_step: the most chunks one grid step processes (fewer per-step overheads;
         in the parallel kernels, independent chains the scheduler interleaves). `per_step`
         picks the largest divisor of the chunk count not above it (a packed row's chunk count
@@ -55,6 +64,7 @@ class BlockSizes:
 
     chunk_size: int = 64
     sub_chunk: int = DEFAULT_SUB_CHUNK
+    grad_sub_chunk: int | None = None
     chunks_per_step: int = DEFAULT_CHUNKS_PER_STEP
     grad_chunks_per_step: int = DEFAULT_GRAD_CHUNKS_PER_STEP
     state_heads_per_step: int = DEFAULT_STATE_HEADS_PER_STEP
@@ -62,11 +72,14 @@ class BlockSizes:
     grad_heads_per_step: int = DEFAULT_GRAD_HEADS_PER_STEP
 
     def __post_init__(self):
-        if self.sub_chunk % NUM_SUBLANES or self.chunk_size % self.sub_chunk:
-            raise InvalidArgumentError(
-                f"sub_chunk: expected a multiple of {NUM_SUBLANES} dividing chunk_size={self.chunk_size}, "
-                f"got {self.sub_chunk}"
-            )
+        if self.grad_sub_chunk is None:
+            object.__setattr__(self, "grad_sub_chunk", min(DEFAULT_GRAD_SUB_CHUNK, self.chunk_size))
+        for name in ("sub_chunk", "grad_sub_chunk"):
+            sub = getattr(self, name)
+            if sub % NUM_SUBLANES or self.chunk_size % sub:
+                raise InvalidArgumentError(
+                    f"{name}: expected a multiple of {NUM_SUBLANES} dividing chunk_size={self.chunk_size}, got {sub}"
+                )
         for name in (
             "chunks_per_step",
             "grad_chunks_per_step",

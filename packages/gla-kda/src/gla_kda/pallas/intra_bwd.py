@@ -203,7 +203,7 @@ class ChunkForward:
 def chunk_forward(k, v, g, beta, tinv, state, config: KernelConfig) -> ChunkForward:
     """`ChunkForward` of one chunk: k [C, K]; v [C, V]; g [C, K] the raw per-step log decays; beta
     [C, 1]; tinv [C, C] (`config.store_dtype`); state [K, V]."""
-    decays = cm.Decays.of_steps(g, cm.SubBlocks(config.blocks.chunk_size, config.blocks.sub_chunk))
+    decays = cm.Decays.of_steps(g, cm.SubBlocks(config.blocks.chunk_size, config.blocks.grad_sub_chunk))
     decay = jnp.exp(decays.cum)
     projected, delta = wy_delta(k * decay, v, beta, tinv, state, config.mxu_dtype)
     return ChunkForward(decays, decay, projected, delta)
@@ -426,7 +426,7 @@ def _launch_intra_bwd(
             ],
             compiler_params=compiler_params(sequential_time=carry_states, vmem_limit_bytes=KERNEL_VMEM_BUDGET_BYTES),
             cost_estimate=intra_bwd_cost(
-                batch, heads, num_chunks, c, key_dim, value_dim, config.blocks.sub_chunk, config.mxu_dtype.itemsize
+                batch, heads, num_chunks, c, key_dim, value_dim, config.blocks.grad_sub_chunk, config.mxu_dtype.itemsize
             ),
             interpret=config.interpret_arg,
             name="kda_intra_bwd",
