@@ -25,7 +25,8 @@ The shared Pallas chunk kernels (simple_gla / gla) and their pieces
   op_gradients, prepare, BlockSizes, DEFAULT_BLOCK_SIZES, ChunkMasks, ScalarGate, GATE_FLOOR,
   floor_gates, intra_costs, empty_attention, has_no_tokens, and the in-kernel helpers dot, NN, NT,
   TN (and BATCHED_NN, BATCHED_NT, BATCHED_TN over a leading batch axis), mxu_dtype, causal_dot,
-  row_to_column, column_to_row, compiler_params, cost_estimate;
+  row_to_column, column_to_row, compiler_params, cost_estimate, bfloat16_parts (a float32 array as
+  three bfloat16 parts that sum to it exactly);
   the tile options of their implementations: BLOCK_V_OPTION, BLOCK_K_OPTION, BLOCK_CHUNKS_OPTION,
   BLOCK_SIZE_OPTIONS (those and the token-major step sizes), block_sizes_of, ANCHOR_RANGE_OPTION
   (the anchored fast path), KERNEL_CHUNK_OPTION and kernel_chunk_of (the kernels' chunk)
@@ -62,6 +63,7 @@ from gla_core.chunk.common import (
     NN,
     NT,
     TN,
+    bfloat16_parts,
     block_sizes_of,
     causal_dot,
     column_to_row,
@@ -184,6 +186,7 @@ __all__ = [
     "any_nonfinite",
     "attention_call",
     "attention_spec",
+    "bfloat16_parts",
     "block_sizes_of",
     "build_chunk_layout",
     "causal_dot",

@@ -37,6 +37,7 @@ from gla_kda.pallas.config import (
     DEFAULT_CHUNKS_PER_STEP,
     DEFAULT_GRAD_CHUNKS_PER_STEP,
     DEFAULT_GRAD_HEADS_PER_STEP,
+    DEFAULT_INTRA_CHUNKS_PER_STEP,
     DEFAULT_STATE_GRAD_HEADS_PER_STEP,
     DEFAULT_STATE_HEADS_PER_STEP,
     BlockSizes,
@@ -56,8 +57,9 @@ BLOCK_COUNT_OPTIONS = (
     _count_option(
         "chunks_per_step",
         DEFAULT_CHUNKS_PER_STEP,
-        "most chunks per grid step: intra, and state / state_bwd (fixed length)",
+        "most chunks per grid step: state / state_bwd (fixed length)",
     ),
+    _count_option("intra_chunks_per_step", DEFAULT_INTRA_CHUNKS_PER_STEP, "most chunks per grid step: intra"),
     _count_option("grad_chunks_per_step", DEFAULT_GRAD_CHUNKS_PER_STEP, "most chunks per grid step: intra_bwd"),
     _count_option("state_heads_per_step", DEFAULT_STATE_HEADS_PER_STEP, "most value heads per grid step: state"),
     _count_option(

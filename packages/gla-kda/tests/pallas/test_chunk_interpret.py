@@ -244,6 +244,7 @@ def test_nonfinite_inputs_poison_across_grid_steps(chunk_runner, nonfinite_case,
     case, clean = nonfinite_case(name)
     one_per_step = dict(
         chunks_per_step=1,
+        intra_chunks_per_step=1,
         grad_chunks_per_step=1,
         state_heads_per_step=1,
         state_grad_heads_per_step=1,

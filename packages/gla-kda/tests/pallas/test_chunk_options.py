@@ -23,6 +23,7 @@ DEFAULTS = {
     "kernel_chunk": None,
     "anchor_range": None,
     "chunks_per_step": 8,
+    "intra_chunks_per_step": 16,
     "grad_chunks_per_step": 2,
     "state_heads_per_step": 4,
     "state_grad_heads_per_step": 2,
@@ -33,14 +34,16 @@ V6E_ROW = {
     "kernel_chunk": 128,
     "anchor_range": None,
     "chunks_per_step": 8,
+    "intra_chunks_per_step": 16,
     "grad_chunks_per_step": 2,
     "state_heads_per_step": 4,
     "state_grad_heads_per_step": 2,
     "grad_heads_per_step": 2,
 }
-# v5e's own row: half the chunks per grid step, so kda_state fits v5e's 16 MiB of scoped VMEM
-# (`test_chunk_tpu_compile.py`), and one value head per step of the gradient kernel.
-V5E_ROW = {**V6E_ROW, "chunks_per_step": 4, "grad_heads_per_step": 1}
+# v5e's own row: half the chunks per grid step of the state kernels, so kda_state fits v5e's 16 MiB
+# of scoped VMEM (`test_chunk_tpu_compile.py`), 4 of intra, and one value head per step of the
+# gradient kernel.
+V5E_ROW = {**V6E_ROW, "chunks_per_step": 4, "intra_chunks_per_step": 4, "grad_heads_per_step": 1}
 
 
 def _kwargs() -> dict:
@@ -56,6 +59,7 @@ def _kwargs() -> dict:
         ({"state_heads_per_step": True}, r"state_heads_per_step: expected a positive int, got True"),
         ({"state_grad_heads_per_step": -1}, r"state_grad_heads_per_step: expected a positive int, got -1"),
         ({"grad_heads_per_step": 0}, r"grad_heads_per_step: expected a positive int, got 0"),
+        ({"intra_chunks_per_step": "8"}, r"intra_chunks_per_step: expected a positive int, got '8'"),
         ({"anchor_range": -1}, r"anchor_range: expected None \(the default of the input dtype\) .* got -1"),
     ],
 )
@@ -127,6 +131,7 @@ CHUNK_128_CASES = {
         dict(
             kernel_chunk=128,
             chunks_per_step=1,
+            intra_chunks_per_step=1,
             grad_chunks_per_step=1,
             state_heads_per_step=1,
             state_grad_heads_per_step=1,

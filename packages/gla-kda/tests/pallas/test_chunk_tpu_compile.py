@@ -2,15 +2,16 @@
 
 Run with `nox -s tpu_compile`, or `python -m pytest -m tpu_compile <this file> -s` where jax[tpu] is installed;
 each compile prints its `CompileReport.summary()`: XLA temp memory and each kernel's scoped
-VMEM. Every kernel must fit the chip's default scoped-VMEM limit (XLA's default
-`xla_tpu_scoped_vmem_limit_kib`: 16 MiB on v5e, 32 MiB on v6e).
+VMEM. Every kda kernel sets its scoped-VMEM limit to `KERNEL_VMEM_BUDGET_BYTES` (48 MiB: 3/4 of
+v7x's 64 MiB per core; v5e and v6e have 128 MiB) in place of XLA's default
+(`xla_tpu_scoped_vmem_limit_kib`: 16 MiB on v5e, 32 MiB on v6e), and must fit it.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from gla_core.kit import DEFAULT_SCOPED_VMEM_BYTES, compile_for_tpu
+from gla_core.kit import KERNEL_VMEM_BUDGET_BYTES, compile_for_tpu
 
 pytestmark = pytest.mark.tpu_compile
 
@@ -20,7 +21,7 @@ def _check(report, expected_kernels):
     names = [kernel.name for kernel in report.kernels]
     for name in expected_kernels:
         assert name in names, f"{report.chip}: kernel {name} not in the compiled program ({names})"
-    limit = DEFAULT_SCOPED_VMEM_BYTES[report.chip]
+    limit = KERNEL_VMEM_BUDGET_BYTES
     for kernel in report.kernels:
         assert kernel.scoped_vmem_bytes <= limit, (
             f"{report.chip}: {kernel.name} reserves {kernel.scoped_vmem_bytes} bytes of scoped VMEM, limit {limit}"

@@ -277,24 +277,27 @@ def test_unit_lower_inverse(unroll):
     assert_close("(I + A)^-1", inverse, np.linalg.inv(np.eye(C) + a), TOL)
 
 
+@pytest.mark.parametrize("block", [8, S])
 @pytest.mark.parametrize("unroll", [False, True])
-def test_unit_lower_inverses_bf16_path(unroll):
+def test_unit_lower_inverses_bf16_path(unroll, block):
     """The bfloat16-input path solves with `dot_bf16x3`: each matrix as its own inverse, to ~2^-16."""
     rng = np.random.default_rng(4)
     mats = [np.tril(rng.uniform(-0.5, 0.5, size=(C, C)), -1) for _ in range(3)]
-    solve = jax.jit(lambda xs: cm.unit_lower_inverses(xs, cm.SubBlocks(C, S), unroll, jnp.bfloat16))
+    solve = jax.jit(lambda xs: cm.unit_lower_inverses(xs, cm.SubBlocks(C, block), unroll, jnp.bfloat16))
     for a, inverse in zip(mats, solve([jnp.asarray(a, jnp.float32) for a in mats]), strict=True):
         assert_close("(I + A)^-1 (bf16x3)", inverse, np.linalg.inv(np.eye(C) + a), BF16X3_TOL)
 
 
+@pytest.mark.parametrize("block", [8, S])
 @pytest.mark.parametrize("chunk", [16, 32, 48, 64, 128])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_unit_lower_inverse_of_kda_like_matrices(chunk, dtype):
+def test_unit_lower_inverse_of_kda_like_matrices(chunk, dtype, block):
     """Akk as kda forms it (unit keys, beta 1, no decay), keys from nearly parallel to independent:
-    1, 2, 3, 4 and 8 sub-blocks (0 to 3 levels of joined blocks)."""
+    diagonal blocks of 8 rows (the forward's, `BlockSizes.inverse_block`) or 16, 1 to 16 of them
+    (0 to 4 levels of joined blocks)."""
     rng = np.random.default_rng(chunk)
     tol = TOL if dtype == jnp.float32 else BF16X3_INVERSE_TOL
-    solve = jax.jit(lambda xs: cm.unit_lower_inverses(xs, cm.SubBlocks(chunk, S), True, dtype))
+    solve = jax.jit(lambda xs: cm.unit_lower_inverses(xs, cm.SubBlocks(chunk, block), True, dtype))
     mats = []
     for correlation in (0.0, 0.9, 0.99):
         keys = correlation * rng.standard_normal(128) + (1 - correlation) * rng.standard_normal((chunk, 128))

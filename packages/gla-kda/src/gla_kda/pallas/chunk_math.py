@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
+from gla_core.kit import bfloat16_parts
 from gla_kda.inputs import log_decay_floor
 
 F32 = jnp.float32
@@ -386,22 +387,21 @@ def _block_of(index, size: int):
     return jax.lax.div(index, jnp.int32(size))
 
 
-def _split_exact(x):
-    """float32 x as three bfloat16 parts with x == hi + mid + lo (for normal numbers): each part
-    holds the next 8 bits of the significand, and every residual is exact in float32."""
-    bf16 = jnp.bfloat16
-    hi = x.astype(bf16)
-    rest = x - hi.astype(F32)
-    mid = rest.astype(bf16)
-    return hi, mid, (rest - mid.astype(F32)).astype(bf16)
+def select_parts_exact(parts, selection):
+    """x @ selection for x [M, N] float32 given as its three bfloat16 parts (hi, mid, lo)
+    (`gla_core.chunk.common.bfloat16_parts`, x == hi + mid + lo) and selection [N, P] (bool) with
+    at most one True per output term (every output element copies one element of x, or is 0).
+
+    One product of the parts side by side along the contraction: each output element sums one
+    exact term per part in float32, hi first, and hi + mid and then + lo are exact. (Added in
+    another order, a sum could round once: an error of one float32 ulp.)"""
+    ones = jnp.where(selection, 1.0, 0.0).astype(jnp.bfloat16)
+    return dot(jnp.concatenate(parts, axis=1), jnp.concatenate([ones] * len(parts), axis=0), jnp.bfloat16)
 
 
 def select_exact(x, selection):
-    """x [M, N] float32 @ selection [N, P] (bool) with at most one True per output term (every
-    output element copies one element of x, or is 0): exact, in three bfloat16 passes."""
-    ones = jnp.where(selection, 1.0, 0.0).astype(jnp.bfloat16)
-    hi, mid, lo = (dot(part, ones, jnp.bfloat16) for part in _split_exact(x))
-    return (hi + mid) + lo
+    """`select_parts_exact` of float32 x [M, N]."""
+    return select_parts_exact(bfloat16_parts(x), selection)
 
 
 class PackedBlocks:
@@ -430,10 +430,15 @@ class PackedBlocks:
     def column_broadcasts(self, packed_mats):
         """For each packed matrix P and column p < s - 1: [s, C] whose lanes of block b all hold
         column p of block b (B_p[i, b*s + q] = P[i, b*s + p]), as one [(s-1) s, C] array per
-        matrix (rows p*s..(p+1)*s for column p). One exact selection product for all matrices."""
-        s = self.sb.sub
-        columns = [jnp.where(self.column == p, m, 0.0) for m in packed_mats for p in range(s - 1)]
-        spread = select_exact(jnp.concatenate(columns, axis=0), self.sb.same_block())
+        matrix (rows p*s..(p+1)*s for column p). One exact selection product for all matrices,
+        of their bfloat16 parts split once and masked column by column."""
+        s, zero = self.sb.sub, jnp.zeros((), jnp.bfloat16)
+        parts = [bfloat16_parts(m) for m in packed_mats]
+        columns = [
+            jnp.concatenate([jnp.where(self.column == p, m[part], zero) for m in parts for p in range(s - 1)], axis=0)
+            for part in range(3)
+        ]
+        spread = select_parts_exact(columns, self.sb.same_block())
         rows = (s - 1) * s
         return [spread[i * rows : (i + 1) * rows] for i in range(len(packed_mats))]
 

@@ -21,6 +21,17 @@ DEFAULT_SUB_CHUNK = 16
 # (an exponent range of 30 over 16 steps either side of the middle row).
 DEFAULT_GRAD_SUB_CHUNK = 32
 DEFAULT_CHUNKS_PER_STEP = 8
+# Chunks per grid step of the forward intra-chunk kernel (`intra`): its chunks are independent, and
+# their blocked inverses' dependent chains interleave. v6e static estimate of the kernel at
+# B=2 T=4096 H=16: 583.6k cycles with 8 chunks per step, 532.9k with 16 (32.8 MiB of VMEM with
+# 8-row inverse blocks); 32 does not fit in the 48 MiB budget.
+DEFAULT_INTRA_CHUNKS_PER_STEP = 16
+# Rows of the diagonal blocks of (I + Akk)^-1 that the forward eliminates on the vector unit
+# before joining them by matrix products (`chunk_math.unit_lower_inverses`): 8 rows are one
+# float32 vector register, 7 elimination steps and 56 broadcast rows per matrix where 16 take 15
+# and 240, for one more level of joins. kda_intra at B=2 T=4096 H=16, v6e: 583.6k cycles with
+# 16-row blocks, 568.7k with 8 (8 chunks per step).
+DEFAULT_INVERSE_BLOCK = 8
 # Value heads per grid step of the forward state recurrence: their chains of dependent matrix
 # products interleave. The v6e static estimate of the kernel alone at B=1 T=1024 H=16: 216k cycles
 # with 1 head per step, 131k with 2, 107k with 4, 110k with 8 (twice the VMEM of 4).
@@ -45,14 +56,16 @@ class BlockSizes:
     Attributes:
       chunk_size: C, tokens per chunk (one grid step along time).
       sub_chunk: s, rows per sub-block. Decays inside a chunk are anchored at sub-block
-        boundaries (no exponent is ever positive), and (I + Akk)^-1 is solved block by block.
-        A multiple of 8 that divides C.
+        boundaries (no exponent is ever positive). A multiple of 8 that divides C.
       grad_sub_chunk: the same for the gradient kernel (`intra_bwd`), which sets it apart; None
         (the default) for min(32, C).
+      inverse_block: rows of the diagonal blocks of (I + Akk)^-1 solved on the vector unit before
+        the blocked joins; None (the default) for min(8, C).
       chunks_per_step: the most chunks one grid step processes (fewer per-step overheads;
         in the parallel kernels, independent chains the scheduler interleaves). `per_step`
         picks the largest divisor of the chunk count not above it (a packed row's chunk count
         is rounded up to split evenly, `gla_core.varlen.even_step_chunks`).
+      intra_chunks_per_step: the same for the forward intra-chunk kernel.
       grad_chunks_per_step: the same for the per-chunk gradient kernel.
       state_heads_per_step: the most value heads one grid step of the forward state recurrence
         takes (a divisor of HV; 1 when value heads share q/k heads).
@@ -65,16 +78,19 @@ class BlockSizes:
     chunk_size: int = 64
     sub_chunk: int = DEFAULT_SUB_CHUNK
     grad_sub_chunk: int | None = None
+    inverse_block: int | None = None
     chunks_per_step: int = DEFAULT_CHUNKS_PER_STEP
+    intra_chunks_per_step: int = DEFAULT_INTRA_CHUNKS_PER_STEP
     grad_chunks_per_step: int = DEFAULT_GRAD_CHUNKS_PER_STEP
     state_heads_per_step: int = DEFAULT_STATE_HEADS_PER_STEP
     state_grad_heads_per_step: int = DEFAULT_STATE_GRAD_HEADS_PER_STEP
     grad_heads_per_step: int = DEFAULT_GRAD_HEADS_PER_STEP
 
     def __post_init__(self):
-        if self.grad_sub_chunk is None:
-            object.__setattr__(self, "grad_sub_chunk", min(DEFAULT_GRAD_SUB_CHUNK, self.chunk_size))
-        for name in ("sub_chunk", "grad_sub_chunk"):
+        for name, default in (("grad_sub_chunk", DEFAULT_GRAD_SUB_CHUNK), ("inverse_block", DEFAULT_INVERSE_BLOCK)):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, min(default, self.chunk_size))
+        for name in ("sub_chunk", "grad_sub_chunk", "inverse_block"):
             sub = getattr(self, name)
             if sub % NUM_SUBLANES or self.chunk_size % sub:
                 raise InvalidArgumentError(
@@ -82,6 +98,7 @@ class BlockSizes:
                 )
         for name in (
             "chunks_per_step",
+            "intra_chunks_per_step",
             "grad_chunks_per_step",
             "state_heads_per_step",
             "state_grad_heads_per_step",

@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from gla_core.kit import (
+    KERNEL_VMEM_BUDGET_BYTES,
     AnchoredProducts,
     LevelProducts,
     StepDecays,
@@ -47,10 +48,10 @@ def intra_kernel(q_ref, k_ref, g_ref, beta_ref, table_ref, tinv_ref, aqk_ref, kk
     else exact between sub-blocks and anchored inside them (`BlockedProducts`, valid for decays
     C/s times stronger), else the exact level products; a recomputed step solves its inverses again
     from kk. The chunks are independent; their (I + Akk)^-1 are solved together
-    (`unit_lower_inverses`) so that their serial chains interleave.
+    (`unit_lower_inverses`, diagonal blocks of `BlockSizes.inverse_block` rows) so that their
+    serial chains interleave.
     """
-    sb = cm.SubBlocks(config.blocks.chunk_size, config.blocks.sub_chunk)
-    c, n = sb.chunk, beta_ref.shape[0]
+    c, n = config.blocks.chunk_size, beta_ref.shape[0]
     dtype = config.mxu_dtype
     q = (cm.finite(q_ref[...]) * config.scale).reshape(n, c, -1)
     k = cm.finite(k_ref[...]).astype(jnp.float32).reshape(n, c, -1)
@@ -69,7 +70,8 @@ def intra_kernel(q_ref, k_ref, g_ref, beta_ref, table_ref, tinv_ref, aqk_ref, kk
         """Tinv of every chunk from its gated k k^T products kk [n, C, C]."""
         strict = cm.lower_mask(c, strict=True)
         akks = [jnp.where(strict, row_to_column(cm.finite(beta_ref[i])) * kk[i], 0.0) for i in range(n)]
-        for i, tinv in enumerate(cm.unit_lower_inverses(akks, sb, config.unroll, dtype)):
+        blocks = cm.SubBlocks(c, config.blocks.inverse_block)
+        for i, tinv in enumerate(cm.unit_lower_inverses(akks, blocks, config.unroll, dtype)):
             tinv_ref[pl.ds(i * c, c), :] = tinv.astype(tinv_ref.dtype)
 
     if config.anchor is None:
@@ -116,7 +118,7 @@ def _launch_intra(q, k, g, beta, *, config: KernelConfig):
     padded_len, key_dim = g.shape[1], g.shape[2] // heads
     c = config.blocks.chunk_size
     num_chunks = padded_len // c
-    per_step = config.blocks.per_step(num_chunks)
+    per_step = config.blocks.per_step(num_chunks, config.blocks.intra_chunks_per_step)
     rows = per_step * c
     qk_spec = token_block(rows, key_dim, config.group)
     table, table_spec = mask_table_inputs("key", c)
@@ -137,9 +139,9 @@ def _launch_intra(q, k, g, beta, *, config: KernelConfig):
             out_specs=[out_spec, out_spec],
             out_shape=[tinv_shape, aqk_shape],
             scratch_shapes=[pltpu.VMEM((rows, c), jnp.float32)],
-            compiler_params=compiler_params(sequential_time=False),
+            compiler_params=compiler_params(sequential_time=False, vmem_limit_bytes=KERNEL_VMEM_BUDGET_BYTES),
             cost_estimate=intra_cost(
-                batch, heads, num_chunks, c, key_dim, config.blocks.sub_chunk, config.mxu_dtype.itemsize
+                batch, heads, num_chunks, c, key_dim, config.blocks.inverse_block, config.mxu_dtype.itemsize
             ),
             interpret=config.interpret_arg,
             name="kda_intra",
