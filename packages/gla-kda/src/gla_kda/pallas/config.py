@@ -225,7 +225,14 @@ def head_index(head: int, heads: int, rank: int, num_steps: int | None = None):
     return index
 
 
+def head_blocks(heads: int, *block: int):
+    """One block `block` (trailing dims) of a head-major `[B, HV, ...]` array per head of the `heads`
+    value heads of grid step (b, j, t) of a (batch, value head, time) grid that walks time
+    forwards: value head j * heads + i, time block t (`head_index`)."""
+    return [pl.BlockSpec((None, None, *block), head_index(i, heads, 2 + len(block))) for i in range(heads)]
+
+
 def head_block(*block: int):
-    """Block `block` (trailing dims) of a head-major `[B, HV, ...]` array for grid step (b, j, t) of a
-    (batch, value head, time) grid that walks time forwards: value head j, time block t."""
-    return pl.BlockSpec((None, None, *block), head_index(0, 1, 2 + len(block)))
+    """`head_blocks` of one value head per grid step: value head j, time block t."""
+    (spec,) = head_blocks(1, *block)
+    return spec

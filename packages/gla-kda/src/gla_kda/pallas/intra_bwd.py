@@ -34,7 +34,7 @@ from jax.experimental.pallas import tpu as pltpu
 from gla_core.kit import KERNEL_VMEM_BUDGET_BYTES, column_to_row, fold_vmap, row_to_column
 from gla_kda.pallas import chunk_math as cm
 from gla_kda.pallas import poison as nf
-from gla_kda.pallas.config import KernelConfig, compiler_params, head_index, token_block
+from gla_kda.pallas.config import KernelConfig, compiler_params, head_block, head_blocks, token_block
 from gla_kda.pallas.gated_grads import diagonals_in_range, gated_grads
 from gla_kda.pallas.sequence_states import SequenceStates, initial_states, starts_row, state_spec
 from gla_kda.pallas.state import advance_state, heads_per_step, wy_delta
@@ -375,8 +375,7 @@ def _launch_intra_bwd(
     value_spec = token_block(rows, m * value_dim)
     states_spec = token_block(per_step * key_dim, m * value_dim)
     in_specs = [qk_spec, qk_spec, value_spec, key_spec]
-    in_specs += [pl.BlockSpec((None, None, per_step, 1, c), head_index(i, m, 5)) for i in range(m)]
-    in_specs += [pl.BlockSpec((None, None, rows, c), head_index(i, m, 4)) for i in range(m)]
+    in_specs += head_blocks(m, per_step, 1, c) + head_blocks(m, rows, c)
     args = [q, k, v, g, *(beta,) * m, *(tinv,) * m]
     scratch_shapes = []
     if not carry_states:
@@ -395,7 +394,7 @@ def _launch_intra_bwd(
     # One dbeta per head of a step, [B, HV/m, NT, 1, C] each: a block of m heads of the head-major
     # dbeta makes libtpu's static profile estimate 0 cycles for the kernel (as `state.py` says of
     # its inputs); the heads are interleaved back in XLA (B*HV*T floats).
-    dbeta_spec = pl.BlockSpec((None, None, per_step, 1, c), lambda b, j, t, *_: (b, j, t, 0, 0))
+    dbeta_spec = head_block(per_step, 1, c)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
         grid=(batch, heads // m, num_chunks // per_step),

@@ -43,7 +43,7 @@ from gla_core.errors import InvalidArgumentError
 from gla_core.kit import KERNEL_VMEM_BUDGET_BYTES, fold_vmap, row_to_column
 from gla_kda.pallas import chunk_math as cm
 from gla_kda.pallas import poison as nf
-from gla_kda.pallas.config import KernelConfig, compiler_params, head_index, token_block
+from gla_kda.pallas.config import KernelConfig, compiler_params, head_blocks, token_block
 from gla_kda.pallas.sequence_states import SequenceStates, initial_states, starts_row, state_spec
 
 
@@ -263,12 +263,12 @@ def _launch_state(k, v, g, beta, tinv, h0, q, aqk, first, last, seq, *, config, 
     rows = per_step * c
     m = heads_per_step(heads, config.group, config.blocks.state_heads_per_step)
     sequence_spec = state_spec(varlen, m, key_dim, value_dim)
-    by_head = [pl.BlockSpec((None, None, rows, c), head_index(i, m, 4)) for i in range(m)]
+    by_head = head_blocks(m, rows, c)
     in_specs = [
         token_block(rows, m * key_dim, config.group),
         token_block(rows, m * value_dim),
         token_block(rows, m * key_dim),
-        *(pl.BlockSpec((None, None, per_step, 1, c), head_index(i, m, 5)) for i in range(m)),
+        *head_blocks(m, per_step, 1, c),
         *by_head,
     ]
     args = [k, v, g, *(beta,) * m, *(tinv,) * m]
