@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from gla_core.kit import bfloat16_parts
+from gla_core.kit import NUM_SUBLANES, bfloat16_parts
 from gla_kda.inputs import log_decay_floor
 
 F32 = jnp.float32
@@ -110,7 +110,7 @@ def clean_log_decay(g):
     """Per-step log decays g [..] float32 as the chunked forms take them: raised to the float32
     floor (`gla_kda.inputs.floor_log_decay`; -inf becomes the floor), then NaN and +inf zeroed."""
     g = g.astype(F32)
-    return finite(jnp.where(g < LOG_DECAY_FLOOR, LOG_DECAY_FLOOR, g))
+    return jnp.where(g < jnp.inf, jnp.maximum(g, LOG_DECAY_FLOOR), 0.0)  # NaN < inf is false
 
 
 def clean_log_decay_grad(g, dg):
@@ -207,15 +207,31 @@ def split_on_grid(g, sub: int):
     return coarse, g - coarse
 
 
-def _rows_scan(x, inside):
-    """Inclusive float32 prefix sums of x [R, K] along rows within sub-blocks (Hillis-Steele).
+def _rows_scan(x, sub: int):
+    """Inclusive float32 prefix sums of x [R, K] along rows within sub-blocks of `sub` rows (R and
+    `sub` multiples of 8).
 
-    inside[d] is the [R, K] mask of rows whose sub-block position is >= shift d (1, 2, 4, ...);
-    rows come from the previous ones by sublane rotations (`pltpu.roll`, as `jnp.roll`).
+    Each (8, K) tile is scanned on its own (Hillis-Steele over its sublanes: one sublane rotation,
+    `pltpu.roll` as `jnp.roll`, and one masked add per level, the mask shared by every tile); the
+    tiles of a sub-block then add the totals of the tiles before them, each a broadcast of a tile's
+    last row.
     """
-    for shift, keep in inside:
-        x = x + jnp.where(keep, pltpu.roll(x, shift, 0), 0.0)
-    return x
+    rows, width = x.shape
+    tiles = x.reshape(rows // NUM_SUBLANES, NUM_SUBLANES, width)
+    sublane = iota((1, NUM_SUBLANES, width), 1)
+    shift = 1
+    while shift < min(sub, NUM_SUBLANES):
+        tiles = tiles + jnp.where(sublane >= shift, pltpu.roll(tiles, shift, 1), 0.0)
+        shift *= 2
+    per_block = sub // NUM_SUBLANES
+    if per_block > 1:
+        blocks = tiles.reshape(rows // sub, per_block, NUM_SUBLANES, width)
+        scanned, carry = [blocks[:, 0]], blocks[:, 0, NUM_SUBLANES - 1 :]
+        for j in range(1, per_block):
+            scanned.append(blocks[:, j] + carry)
+            carry = scanned[-1][:, NUM_SUBLANES - 1 :]
+        tiles = jnp.stack(scanned, axis=1)
+    return tiles.reshape(rows, width)
 
 
 def local_cumsum(g, sb: SubBlocks, compensated: bool = True):
@@ -227,17 +243,10 @@ def local_cumsum(g, sb: SubBlocks, compensated: bool = True):
     step, whose float32 sums err by ~2^-24 of that (lo). Otherwise (hi, None), hi the rounded
     float32 cumsum.
     """
-    rows, width = g.shape
-    position = iota((rows // sb.sub, sb.sub, width), 1).reshape(rows, width)
-    inside = []
-    shift = 1
-    while shift < sb.sub:
-        inside.append((shift, position >= shift))
-        shift *= 2
     if not compensated:
-        return _rows_scan(g, inside), None
+        return _rows_scan(g, sb.sub), None
     coarse, fine = split_on_grid(g, sb.sub)
-    return _rows_scan(coarse, inside), _rows_scan(fine, inside)
+    return _rows_scan(coarse, sb.sub), _rows_scan(fine, sb.sub)
 
 
 class Decays:
@@ -288,6 +297,22 @@ class Decays:
             acc = acc + self.totals[c]
         return acc
 
+    @functools.cached_property
+    def _prefix_sums(self):
+        """[1, K] sum_{c < b} tau_c for b = 0..nb, each from the one before (one add per sub-block)."""
+        sums = [jnp.zeros_like(self.totals[0])]
+        for tau in self.totals:
+            sums.append(sums[-1] + tau)
+        return sums
+
+    @functools.cached_property
+    def _suffix_sums(self):
+        """[1, K] sum_{c > b} tau_c for b = 0..nb-1, each from the one after it."""
+        sums = [jnp.zeros_like(self.totals[0])]
+        for tau in reversed(self.totals[1:]):
+            sums.append(tau + sums[-1])
+        return sums[::-1]
+
     def per_block(self, rows):
         """[C, K] from one [1, K] row (or None for zeros) per sub-block, broadcast over its s rows."""
         k = self.hi.shape[1]
@@ -306,18 +331,18 @@ class Decays:
     def cum(self):
         """[C, K] G_i."""
         local = self.hi if self.lo is None else self.hi + self.lo
-        return self.per_block([self._sum(0, b - 1) for b in range(self.sb.count)]) + local
+        return self.per_block(self._prefix_sums[:-1]) + local
 
     @functools.cached_property
     def to_end(self):
         """[C, K] G_last - G_i."""
-        after = self.per_block([self._sum(b + 1, self.sb.count - 1) for b in range(self.sb.count)])
+        after = self.per_block(self._suffix_sums)
         return self.to_block_end + after
 
     @functools.cached_property
     def total(self):
         """[1, K] G_last."""
-        return self._sum(0, self.sb.count - 1)
+        return self._prefix_sums[-1]
 
     def before_anchor(self, r: int):
         """[C, K] G_n - G_j for rows j < n = r * s (first row of sub-block r); 0 on rows >= n."""
