@@ -218,6 +218,24 @@ def _nonfinite_case(name: str):
         clean = {name: [last] for name in ("dq", "dk")}
         clean.update({name: [last, np.s_[0, 0:30, 0]] for name in ("dv", "dg", "dbeta")})
         clean.update(dinitial_state=[np.s_[1], np.s_[3], np.s_[0, 0]])
+    elif name == "varlen_mid_sequence_h0":
+        # Only the initial state of sequence 1, which starts inside a chunk run (a grid step), is
+        # non-finite: sequences 0 and 2 around it stay clean, and nothing else is poisoned.
+        case = make_case(
+            "kda",
+            seq_len=100,
+            cu_seqlens=[0, 30, 64, 100],
+            num_heads=2,
+            key_dim=16,
+            value_dim=16,
+            chunk_size=16,
+            initial_state=True,
+            output_final_state=True,
+        )
+        edits = [("initial_state", (1, 0, 3, 7), np.nan), ("initial_state", (1, 1, 5, 2), -_INF)]
+        outside = [np.s_[0, 0:30], np.s_[0, 64:100]]
+        clean = {name: outside for name in ("dq", "dk", "dv", "dg", "dbeta")}
+        clean.update(dinitial_state=[np.s_[0], np.s_[2]])
     else:
         raise ValueError(f"name: unknown non-finite case {name!r}")
     return edit_inputs(case, edits, f"non-finite ({name})"), clean
@@ -237,5 +255,6 @@ def gate_extremes_case():
 
 @pytest.fixture
 def nonfinite_case():
-    """`nonfinite_case(name) -> (case, clean)`: "batch_heads_gate" or "varlen_grouped"."""
+    """`nonfinite_case(name) -> (case, clean)`: "batch_heads_gate", "varlen_grouped" or
+    "varlen_mid_sequence_h0"."""
     return _nonfinite_case

@@ -158,7 +158,7 @@ def test_in_kernel_gate_extremes_match_oracle(jitted, gate_extremes_case, impl, 
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("name", ["batch_heads_gate", "varlen_grouped"])
+@pytest.mark.parametrize("name", ["batch_heads_gate", "varlen_grouped", "varlen_mid_sequence_h0"])
 def test_nonfinite_inputs_reach_only_later_outputs(jitted, nonfinite_case, nonfinite_check, impl, name):
     """A NaN/Inf in q, k, v, g, beta or h0 at step t reaches the outputs from t on that the
     recurrence lets it reach, and nothing in other sequences, batch rows or heads."""

@@ -228,7 +228,7 @@ def test_in_kernel_gate_extremes_match_oracle(chunk_runner, gate_extremes_case):
     print(_report(case, check_against_oracle(chunk_runner(case), case)))
 
 
-@pytest.mark.parametrize("name", ["batch_heads_gate", "varlen_grouped"])
+@pytest.mark.parametrize("name", ["batch_heads_gate", "varlen_grouped", "varlen_mid_sequence_h0"])
 def test_nonfinite_inputs_reach_only_later_outputs(chunk_runner, nonfinite_case, nonfinite_check, name):
     """A NaN/Inf input at step t reaches only the outputs the recurrence lets it reach: none
     before t (the in-chunk matmuls would carry it to earlier rows), none in other sequences,
@@ -237,7 +237,7 @@ def test_nonfinite_inputs_reach_only_later_outputs(chunk_runner, nonfinite_case,
     nonfinite_check(chunk_runner(case), case, clean)
 
 
-@pytest.mark.parametrize("name", ["batch_heads_gate", "varlen_grouped"])
+@pytest.mark.parametrize("name", ["batch_heads_gate", "varlen_grouped", "varlen_mid_sequence_h0"])
 def test_nonfinite_inputs_poison_across_grid_steps(chunk_runner, nonfinite_case, nonfinite_check, name):
     """The same with one chunk and one value head per grid step: the state kernel carries the
     columns a non-finite input reached from grid step to grid step (`gla_kda.pallas.poison`)."""

@@ -11,7 +11,9 @@ recurrence would make non-finite is put back as NaN where the outputs are writte
 The state kernel finds, per chunk and value column, the first row of the chunk from which the
 state's column is non-finite (the chunk's *poison row*: 0 when it already is at the chunk's start,
 C when it stays finite), the initial state's non-finite columns included, and writes o with NaN
-from there on and in the rows of a non-finite q. The backward kernels poison dO in the same places
+from there on and in the rows of a non-finite q. It does so only in the grid steps that read a
+non-finite input or carry a poisoned column (`StepFlags`, after the step's o is written); every
+other step writes poison rows of C. The backward kernels poison dO in the same places
 as they read it, which is what the chain rule through `o * NaN` gives, so the gradients of a
 poisoned sequence and head carry NaN as the recurrence's own backward would.
 
@@ -20,6 +22,8 @@ Poison rows are float32 [B, NT * 8, HV * V]: chunk n's row of value head j at ro
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +74,57 @@ def chunk_poison(k, g, beta, v, poisoned_before):
     every_column = jnp.minimum(key_first, _first(~_finite(beta), axis=1))  # [1, 1]
     first = jnp.minimum(_first(~_finite(v), axis=0), every_column)  # [1, V]
     return jnp.where(poisoned_before > 0.0, 0.0, first)
+
+
+class StepFlags:
+    """Whether anything a grid step reads or carries is non-finite, found on the common path at
+    little cost, so that the poison rows and the poisoning of the outputs (`chunk_poison`, `poison`)
+    run only in the steps that need them.
+
+    Two running folds, each reduced over sublane tiles as its terms come: sums of x * 0 (0 where x
+    is finite, NaN elsewhere; for 16-bit inputs in their own dtype, two rows per 32-bit word) and
+    maxima of 0/1 flags.
+    """
+
+    def __init__(self):
+        self._folds: dict[tuple, jax.Array] = {}
+
+    def _fold(self, kind: str, x, combine):
+        rows, width = x.shape
+        tile = ROWS_PER_CHUNK * max(1, 4 // x.dtype.itemsize)
+        if rows > tile and rows % tile == 0:
+            parts = x.reshape(rows // tile, tile, width)
+            x = jnp.sum(parts, axis=0) if kind == "sum" else jnp.max(parts, axis=0)
+        key = (kind, x.dtype.name, x.shape)
+        seen = self._folds.get(key)
+        self._folds[key] = x if seen is None else combine(seen, x)
+
+    def add_mask(self, bad):
+        """Folds in bad [R, D] bool."""
+        self._fold("max", jnp.where(bad, 1.0, 0.0), jnp.maximum)
+
+    def add_values(self, x):
+        """Folds in x [R, D] (any float dtype)."""
+        self._fold("sum", x * jnp.zeros((), x.dtype), jnp.add)
+
+    def add_inputs(self, k, g, beta, v, q=None):
+        """Folds in what `chunk_poison` and `poison` look at: non-finite raw k [C, K], beta [1, C],
+        v [C, V] and q [C, K], and g [C, K] NaN or +inf (-inf is a hard reset, not poison)."""
+        for x in (k, v) + (() if q is None else (q,)):
+            self.add_values(x)
+        self.add_mask(~_finite(beta))
+        self.add_mask(~(g.astype(jnp.float32) < jnp.inf))
+
+    def add_poisoned(self, poisoned):
+        """Folds in poisoned columns [1, V] float32 (1: poisoned)."""
+        self.add_mask(poisoned > 0.0)
+
+    def any(self):
+        """Scalar bool: something folded in is non-finite or poisoned."""
+        found = [
+            jnp.max(jnp.where(_finite(x), 0.0, 1.0) if kind == "sum" else x) for (kind, _, _), x in self._folds.items()
+        ]
+        return functools.reduce(jnp.maximum, found) > 0.0
 
 
 def poison(x, poison_row, q):

@@ -122,6 +122,17 @@ class SequenceStates:
                 flags.append(jnp.where(self._starts(chunk, poisoned[i].shape), entering_flags, poisoned[i]))
         return restarted, None if poisoned is None else flags
 
+    def restart_flags(self, chunk, poisoned: list[jax.Array]) -> list[jax.Array]:
+        """The flags of `restart_finite` alone (the entering states loaded again where `chunk` starts a
+        sequence)."""
+        entering = self._entering(chunk)
+        return [
+            jnp.where(
+                self._starts(chunk, flags.shape), 0.0 if entering is None else nonfinite_columns(entering[i]), flags
+            )
+            for i, flags in enumerate(poisoned)
+        ]
+
     def _starts(self, chunk, shape):
         """bool `shape`: `chunk` starts a sequence (a full vector: Mosaic selects no scalar masks)."""
         return jnp.full(shape, self.starts_ref[chunk], jnp.int32) == 1

@@ -86,15 +86,14 @@ def advance_state(k_to_end, decays: cm.Decays, delta, state, dtype):
     return row_to_column(jnp.exp(decays.total)) * state + cm.dot(k_to_end, delta, dtype, trans_a=True)
 
 
-def chunk_output(raw_q, decay, state, aqk, delta, poison_row, config: KernelConfig):
-    """o = scale (q exp(G)) S + Aqk delta [C, V] float32 of one chunk, poisoned (`poison.poison`),
-    from decay = exp(G) [C, K].
+def chunk_output(raw_q, decay, state, aqk, delta, config: KernelConfig):
+    """o = scale (q exp(G)) S + Aqk delta [C, V] float32 of one chunk, not yet poisoned, from
+    decay = exp(G) [C, K].
 
-    raw_q [C, K] is not cleaned: a non-finite q_t reaches only row t, which is poisoned anyway.
+    raw_q [C, K] is not cleaned: a non-finite q_t reaches only row t, which the kernel poisons.
     """
     decayed_q = raw_q.astype(cm.F32) * config.scale * decay
-    o = cm.dot(decayed_q, state, config.mxu_dtype) + cm.dot(aqk, delta, config.mxu_dtype)
-    return nf.poison(o, poison_row, raw_q)
+    return cm.dot(decayed_q, state, config.mxu_dtype) + cm.dot(aqk, delta, config.mxu_dtype)
 
 
 def state_kernel(
@@ -116,10 +115,10 @@ def state_kernel(
 
     Outputs: h [n*K, m*V] (the state before each chunk), o [n*C, m*V], ht [m, K, V] (`packed`:
     [N, HV, K, V] in HBM), poison rows [n*8, m*V] (`gla_kda.pallas.poison`; non-finite k, v, g,
-    beta and h0 are read as 0 and found here); scratch states [m, K, V] float32, with poison rows
-    the columns poisoned so far [m, 1, V] float32 (1: poisoned), and with `packed` the DMA slot
-    [m, K, V] float32. Without `packed` (one sequence per batch row) only the step's first chunk
-    may start its sequence and only its last may end it.
+    beta and h0 are read as 0, and found by `poison_step` in the steps that have any); scratch
+    states [m, K, V] float32, with poison rows the columns poisoned so far [m, 1, V] float32 (1:
+    poisoned), and with `packed` the DMA slot [m, K, V] float32. Without `packed` (one sequence
+    per batch row) only the step's first chunk may start its sequence and only its last may end it.
     """
     refs = list(refs)
     k_ref, v_ref, g_ref = refs[:3]
@@ -152,7 +151,10 @@ def state_kernel(
         initial_states(None if packed else h0_ref, state_ref, poisoned_ref)
 
     states = [state_ref[i] for i in range(heads)]
-    poisoned = None if poisoned_ref is None else [poisoned_ref[i] for i in range(heads)]  # [1, V], 1: poisoned
+    # Poison flags [1, V] (1: poisoned) as sequences restart; the chunks' own poison comes after.
+    poisoned = None if poisoned_ref is None else [poisoned_ref[i] for i in range(heads)]
+    poisoned_at_start = poisoned
+    step_flags = None if poisoned is None else nf.StepFlags()
     for n in range(per_step):
         rows = pl.ds(n * c, c)
         if sequences is not None:
@@ -161,17 +163,17 @@ def state_kernel(
             keys, values = pl.ds(i * key_dim, key_dim), pl.ds(i * value_dim, value_dim)
             if h_ref is not None:
                 h_ref[pl.ds(n * key_dim, key_dim), values] = states[i].astype(h_ref.dtype)
-            raw_k, raw_v, raw_beta = k_ref[rows, keys], v_ref[rows, values], beta_refs[i][n]
-            decays = cm.Decays.of_steps(g_ref[rows, keys], sb, config.compensated_decays)
+            raw_k, raw_v, raw_beta, raw_g = k_ref[rows, keys], v_ref[rows, values], beta_refs[i][n], g_ref[rows, keys]
+            decays = cm.Decays.of_steps(raw_g, sb, config.compensated_decays)
             k, v, beta = cm.finite(raw_k), cm.finite(raw_v), row_to_column(cm.finite(raw_beta))
             decay = jnp.exp(decays.cum)
             _, delta = wy_delta(k * decay, v, beta, tinv_refs[i][rows, :], states[i], config.mxu_dtype)
-            if poisoned is not None:
-                row = nf.chunk_poison(raw_k, g_ref[rows, keys], raw_beta, raw_v, poisoned[i])
-                nf.write_chunk_row(poison_ref, n, values, row)
-                poisoned[i] = jnp.where(row < c, 1.0, 0.0)
+            if step_flags is not None:
+                step_flags.add_inputs(raw_k, raw_g, raw_beta, raw_v, None if q_ref is None else q_ref[rows, keys])
+                step_flags.add_poisoned(poisoned[i])
+                nf.write_chunk_row(poison_ref, n, values, jnp.full(poisoned[i].shape, float(c), jnp.float32))
             if o_ref is not None:
-                o = chunk_output(q_ref[rows, keys], decay, states[i], aqk_refs[i][rows, :], delta, row, config)
+                o = chunk_output(q_ref[rows, keys], decay, states[i], aqk_refs[i][rows, :], delta, config)
                 o_ref[rows, values] = o.astype(o_ref.dtype)
             states[i] = advance_state(k * jnp.exp(decays.to_end), decays, delta, states[i], config.mxu_dtype)
         if sequences is not None:
@@ -179,13 +181,47 @@ def state_kernel(
     for i in range(heads):
         state_ref[i] = states[i]
         if poisoned is not None:
-            poisoned_ref[i] = poisoned[i]
+            poisoned_ref[i] = poisoned[i]  # no chunk poisoned a column: only restarts changed them
+    if step_flags is not None:
+
+        @pl.when(step_flags.any())
+        def _poison():
+            flags = poison_step(
+                k_ref, g_ref, v_ref, beta_refs, q_ref, o_ref, poison_ref, poisoned_at_start, sequences, t
+            )
+            for i in range(heads):
+                poisoned_ref[i] = flags[i]
+
     if ht_ref is not None and not packed:
 
         @pl.when(last_ref[t * per_step + per_step - 1] == 1)
         def _final():
             for i in range(heads):
                 ht_ref[i] = states[i]
+
+
+def poison_step(k_ref, g_ref, v_ref, beta_refs, q_ref, o_ref, poison_ref, flags, sequences, t):
+    """The poison of grid step t of `state_kernel` (blocks as there), after its o is written: each
+    chunk's poison rows, from the raw inputs and the poisoned columns `flags` [1, V] (one per head)
+    at the step's start, restarted where packed `sequences` (or None) start; o (q_ref and o_ref, or
+    both None) poisoned in place. Returns the poisoned columns after the step."""
+    heads, per_step = len(beta_refs), beta_refs[0].shape[0]
+    key_dim, value_dim = k_ref.shape[1] // heads, v_ref.shape[1] // heads
+    c = k_ref.shape[0] // per_step
+    flags = list(flags)
+    for n in range(per_step):
+        rows = pl.ds(n * c, c)
+        if sequences is not None:
+            flags = sequences.restart_flags(t * per_step + n, flags)
+        for i in range(heads):
+            keys, values = pl.ds(i * key_dim, key_dim), pl.ds(i * value_dim, value_dim)
+            row = nf.chunk_poison(k_ref[rows, keys], g_ref[rows, keys], beta_refs[i][n], v_ref[rows, values], flags[i])
+            nf.write_chunk_row(poison_ref, n, values, row)
+            flags[i] = jnp.where(row < c, 1.0, 0.0)
+            if o_ref is not None:
+                o = nf.poison(o_ref[rows, values].astype(cm.F32), row, q_ref[rows, keys])
+                o_ref[rows, values] = o.astype(o_ref.dtype)
+    return flags
 
 
 def heads_per_step(value_heads: int, group: int, most: int) -> int:
