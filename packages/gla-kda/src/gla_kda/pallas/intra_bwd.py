@@ -36,7 +36,13 @@ from gla_kda.pallas import chunk_math as cm
 from gla_kda.pallas import poison as nf
 from gla_kda.pallas.config import KernelConfig, compiler_params, head_block, head_blocks, token_block
 from gla_kda.pallas.gated_grads import diagonals_in_range, gated_grads
-from gla_kda.pallas.sequence_states import SequenceStates, initial_states, starts_row, state_spec
+from gla_kda.pallas.sequence_states import (
+    SequenceStates,
+    initial_states,
+    sequence_scratch,
+    starts_row,
+    state_spec,
+)
 from gla_kda.pallas.state import advance_state, heads_per_step, wy_delta
 
 
@@ -70,7 +76,7 @@ def intra_bwd_kernel(
     advanced with the chunk's delta, which the gradient forms anyway (`state.advance_state`), so the
     states need neither a kernel of their own nor a trip through HBM; the m heads' chains of
     dependent products interleave. Scratch [n*K, m*V] float32 keeps the step's states for the
-    recomputed exact step, and with `packed` the DMA slot [m, K, V]. Otherwise the chunks are
+    recomputed exact step, and with `packed` `sequence_scratch`. Otherwise the chunks are
     independent.
     """
     refs = list(refs)
@@ -93,7 +99,10 @@ def intra_bwd_kernel(
     if carry_states:
         state_ref, h_ref = scratch[:2]
         if packed:
-            sequences = SequenceStates(first_ref, last_ref, seq_ref, h0_ref, None, scratch[2], states_per_row)
+            sequences = SequenceStates(
+                first_ref, last_ref, seq_ref, h0_ref, None, tuple(scratch[2:]), t * per_step, states_per_row
+            )
+            sequences.load()
 
         @pl.when(starts_row(t, first_ref, per_step, packed))
         def _reset():
@@ -110,7 +119,7 @@ def intra_bwd_kernel(
         for n in range(per_step):
             rows, state_rows = pl.ds(n * c, c), pl.ds(n * key_dim, key_dim)
             if carries is not None and sequences is not None:
-                carries, _ = sequences.restart_finite(t * per_step + n, carries, None)
+                carries, _ = sequences.restart_finite(n, carries, None)
             for i in range(heads):
                 keys, values = pl.ds(i * key_dim, key_dim), pl.ds(i * value_dim, value_dim)
                 if carries is not None:
@@ -385,8 +394,10 @@ def _launch_intra_bwd(
         if has_initial_state:
             in_specs.append(state_spec(varlen, m, key_dim, value_dim))
             args.append(h0)
-        state = pltpu.VMEM((m, key_dim, value_dim), jnp.float32)  # the carried states (and with varlen, the DMA slot)
-        scratch_shapes = [state, pltpu.VMEM((per_step * key_dim, m * value_dim), jnp.float32)] + [state] * varlen
+        state = pltpu.VMEM((m, key_dim, value_dim), jnp.float32)  # the carried states
+        scratch_shapes = [state, pltpu.VMEM((per_step * key_dim, m * value_dim), jnp.float32)]
+        if varlen:
+            scratch_shapes += sequence_scratch(per_step, m, key_dim, value_dim, leaving=False)
     in_specs += [states_spec, value_spec, value_spec, token_block(per_step * nf.ROWS_PER_CHUNK, m * value_dim)]
     args += [dstate, ddelta, do, poison_rows]
     f32 = jnp.float32

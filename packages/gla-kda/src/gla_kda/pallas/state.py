@@ -44,7 +44,13 @@ from gla_core.kit import KERNEL_VMEM_BUDGET_BYTES, fold_vmap, row_to_column
 from gla_kda.pallas import chunk_math as cm
 from gla_kda.pallas import poison as nf
 from gla_kda.pallas.config import KernelConfig, compiler_params, head_blocks, token_block
-from gla_kda.pallas.sequence_states import SequenceStates, initial_states, starts_row, state_spec
+from gla_kda.pallas.sequence_states import (
+    SequenceStates,
+    initial_states,
+    sequence_scratch,
+    starts_row,
+    state_spec,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +123,7 @@ def state_kernel(
     [N, HV, K, V] in HBM), poison rows [n*8, m*V] (`gla_kda.pallas.poison`; non-finite k, v, g,
     beta and h0 are read as 0, and found by `poison_step` in the steps that have any); scratch
     states [m, K, V] float32, with poison rows the columns poisoned so far [m, 1, V] float32 (1:
-    poisoned), and with `packed` the DMA slot [m, K, V] float32. Without `packed` (one sequence
+    poisoned), and with `packed` `sequence_scratch`. Without `packed` (one sequence
     per batch row) only the step's first chunk may start its sequence and only its last may end it.
     """
     refs = list(refs)
@@ -143,8 +149,10 @@ def state_kernel(
     t = pl.program_id(2)
     sequences = None
     if packed:
-        (slot_ref,) = rest
-        sequences = SequenceStates(first_ref, last_ref, seq_ref, h0_ref, ht_ref, slot_ref, states_per_row)
+        sequences = SequenceStates(
+            first_ref, last_ref, seq_ref, h0_ref, ht_ref, tuple(rest), t * per_step, states_per_row
+        )
+        sequences.load()
 
     @pl.when(starts_row(t, first_ref, per_step, packed))
     def _reset():
@@ -158,7 +166,7 @@ def state_kernel(
     for n in range(per_step):
         rows = pl.ds(n * c, c)
         if sequences is not None:
-            states, poisoned = sequences.restart_finite(t * per_step + n, states, poisoned)
+            states, poisoned = sequences.restart_finite(n, states, poisoned)
         for i in range(heads):  # independent chains: the scheduler interleaves them
             keys, values = pl.ds(i * key_dim, key_dim), pl.ds(i * value_dim, value_dim)
             if h_ref is not None:
@@ -177,7 +185,9 @@ def state_kernel(
                 o_ref[rows, values] = o.astype(o_ref.dtype)
             states[i] = advance_state(k * jnp.exp(decays.to_end), decays, delta, states[i], config.mxu_dtype)
         if sequences is not None:
-            sequences.emit(t * per_step + n, states)
+            sequences.keep(n, states)
+    if sequences is not None:
+        sequences.store()
     for i in range(heads):
         state_ref[i] = states[i]
         if poisoned is not None:
@@ -212,7 +222,7 @@ def poison_step(k_ref, g_ref, v_ref, beta_refs, q_ref, o_ref, poison_ref, flags,
     for n in range(per_step):
         rows = pl.ds(n * c, c)
         if sequences is not None:
-            flags = sequences.restart_flags(t * per_step + n, flags)
+            flags = sequences.restart_flags(n, flags)
         for i in range(heads):
             keys, values = pl.ds(i * key_dim, key_dim), pl.ds(i * value_dim, value_dim)
             row = nf.chunk_poison(k_ref[rows, keys], g_ref[rows, keys], beta_refs[i][n], v_ref[rows, values], flags[i])
@@ -330,7 +340,7 @@ def _launch_state(k, v, g, beta, tinv, h0, q, aqk, first, last, seq, *, config, 
         out_shape.append(jax.ShapeDtypeStruct((batch, num_chunks * nf.ROWS_PER_CHUNK, heads * value_dim), jnp.float32))
         scratch_shapes.append(pltpu.VMEM((m, 1, value_dim), jnp.float32))
     if varlen:
-        scratch_shapes.append(pltpu.VMEM((m, key_dim, value_dim), jnp.float32))
+        scratch_shapes += sequence_scratch(per_step, m, key_dim, value_dim, leaving=outputs.emit_final_state)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
         grid=(batch, heads // m, num_chunks // per_step),

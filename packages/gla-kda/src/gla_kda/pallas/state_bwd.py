@@ -32,7 +32,7 @@ from gla_core.kit import KERNEL_VMEM_BUDGET_BYTES, fold_vmap, row_to_column
 from gla_kda.pallas import chunk_math as cm
 from gla_kda.pallas import poison as nf
 from gla_kda.pallas.config import KernelConfig, compiler_params, head_index, token_block
-from gla_kda.pallas.sequence_states import SequenceStates, state_spec
+from gla_kda.pallas.sequence_states import SequenceStates, sequence_scratch, state_spec
 from gla_kda.pallas.state import heads_per_step
 
 
@@ -65,7 +65,7 @@ def state_bwd_kernel(
 
     Outputs: dstate [n*K, m*V] (gradient of the state after each chunk), ddelta [n*C, m*V],
     dh0 [m, K, V] (`packed`: [N, HV, K, V] in HBM); scratch dS [m, K, V] float32, and with
-    `packed` the DMA slot [m, K, V] float32. Without `packed` (one sequence per batch row) only the
+    `packed` `sequence_scratch`. Without `packed` (one sequence per batch row) only the
     step's last chunk may end its sequence and only its first may start it.
     """
     refs = list(refs)
@@ -84,8 +84,10 @@ def state_bwd_kernel(
     last_chunk = first_chunk + per_step - 1
     sequences = None
     if packed:  # walking backwards, a sequence starts at its last chunk and ends at its first
-        (slot_ref,) = rest
-        sequences = SequenceStates(last_ref, first_ref, seq_ref, dht_ref, dh0_ref, slot_ref, states_per_row)
+        sequences = SequenceStates(
+            last_ref, first_ref, seq_ref, dht_ref, dh0_ref, tuple(rest), first_chunk, states_per_row
+        )
+        sequences.load()
 
     # Packed sequences restart chunk by chunk (`SequenceStates.restart`) from a zero row end.
     starts_row = (t == 0) if packed else (t == 0) | (last_ref[last_chunk] == 1)
@@ -127,7 +129,7 @@ def state_bwd_kernel(
     for n in reversed(range(per_step)):
         rows = pl.ds(n * c, c)
         if sequences is not None:
-            grads = sequences.restart(first_chunk + n, grads)
+            grads = sequences.restart(n, grads)
         for i in range(heads):  # independent chains: the scheduler interleaves them
             values = pl.ds(i * value_dim, value_dim)
             from_output, k_to_end, total_decay, q_term, w = terms(i, n)
@@ -136,7 +138,9 @@ def state_bwd_kernel(
             ddelta_ref[rows, values] = ddelta.astype(ddelta_ref.dtype)
             grads[i] = total_decay * grads[i] + q_term - cm.dot(w, ddelta, dtype, trans_a=True)
         if sequences is not None:
-            sequences.emit(first_chunk + n, grads)
+            sequences.keep(n, grads)
+    if sequences is not None:
+        sequences.store()
     for i in range(heads):
         grad_ref[i] = grads[i]
     if dh0_ref is not None and not packed:
@@ -271,7 +275,8 @@ def _launch_state_bwd(
         grid=(batch, heads // m, num_steps),
         in_specs=in_specs,
         out_specs=out_specs,
-        scratch_shapes=[pltpu.VMEM((m, key_dim, value_dim), jnp.float32)] * (2 if varlen else 1),
+        scratch_shapes=[pltpu.VMEM((m, key_dim, value_dim), jnp.float32)]
+        + (sequence_scratch(per_step, m, key_dim, value_dim, leaving=options.emit_initial_grad) if varlen else []),
     )
     kernel = functools.partial(
         state_bwd_kernel, config=config, options=options, heads=m, states_per_row=states_per_row, packed=varlen
