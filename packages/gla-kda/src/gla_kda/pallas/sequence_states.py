@@ -141,10 +141,13 @@ class SequenceStates:
             return None
         return [self._entering_slots[j, i] for i in range(self._entering_slots.shape[1])]
 
-    def restart(self, j: int, states: list[jax.Array]) -> list[jax.Array]:
+    def restart(self, j: int, states: list[jax.Array], clean: bool = False) -> list[jax.Array]:
         """The states [K, V] (one per head) chunk j of the step sees before its update: its
-        sequence's entering states (or zero) where it starts one, else `states`."""
+        sequence's entering states (or zero; with `clean`, non-finite entries read as 0) where it
+        starts one, else `states`."""
         entering = self._entering(j)
+        if entering is not None and clean:
+            entering = [finite(state) for state in entering]
         return [
             jnp.where(self._starts(j, state.shape), 0.0 if entering is None else entering[i], state)
             for i, state in enumerate(states)
@@ -154,11 +157,7 @@ class SequenceStates:
         """`restart` with the entering states' non-finite entries read as 0, and the flags
         `poisoned` [1, V] (one per head, or None) restarted with them (`restart_flags`).
         Returns (states, flags)."""
-        entering = self._entering(j)
-        restarted = [
-            jnp.where(self._starts(j, state.shape), 0.0 if entering is None else finite(entering[i]), state)
-            for i, state in enumerate(states)
-        ]
+        restarted = self.restart(j, states, clean=True)
         return restarted, None if poisoned is None else self.restart_flags(j, poisoned)
 
     def restart_flags(self, j: int, poisoned: list[jax.Array]) -> list[jax.Array]:
