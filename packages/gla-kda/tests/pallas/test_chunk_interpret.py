@@ -21,6 +21,7 @@ import pytest
 import gla_core
 from gla_core.errors import HigherOrderDerivativeError
 from gla_core.varlen import num_padded_chunks
+from gla_kda.pallas import sequence_states
 from gla_kda.pallas.config import BlockSizes
 from gla_kda.pallas.state import heads_per_step
 from gla_ref.testing import (
@@ -123,6 +124,19 @@ def test_gradient_kernel_steps_hold_sequence_edges(chunk_runner):
     states restart from h0 mid-step (`SequenceStates.restart_finite`)."""
     case = make_case("kda", **CASES["state_4_heads_per_step_varlen_h0_ht"])
     check_against_oracle(chunk_runner(case, dict(grad_chunks_per_step=7)), case)
+
+
+@pytest.mark.parametrize("resident", [True, False], ids=["resident", "by_dma"])
+def test_packed_states_resident_or_by_dma(resident, chunk_runner, monkeypatch):
+    """The packed case above keeps its 3 sequences' states in VMEM (`resident_states`: 3 x 4 heads x
+    128 x 128 float32 after lane padding, under `RESIDENT_STATES_BYTES`); with no room for them they
+    move by DMA. Both match the oracle."""
+    if not resident:
+        monkeypatch.setattr(sequence_states, "RESIDENT_STATES_BYTES", 0)
+    assert sequence_states.resident_states(True, 3, 4, 128, 128) == resident
+    assert not sequence_states.resident_states(False, 3, 4, 128, 128)
+    case = make_case("kda", **CASES["state_4_heads_per_step_varlen_h0_ht"])
+    check_against_oracle(chunk_runner(case), case)
 
 
 def _report(case, errors) -> str:

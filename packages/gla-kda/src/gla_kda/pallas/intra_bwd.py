@@ -39,9 +39,11 @@ from gla_kda.pallas.gated_grads import diagonals_in_range, gated_grads
 from gla_kda.pallas.sequence_states import (
     SequenceStates,
     initial_states,
+    resident_states,
     sequence_scratch,
     starts_row,
     state_spec,
+    to_kernel_states,
 )
 from gla_kda.pallas.state import advance_state, heads_per_step, wy_delta
 
@@ -57,13 +59,15 @@ def intra_bwd_kernel(
     has_initial_state: bool,
     states_per_row: int,
     packed: bool,
+    resident: bool = False,
 ):
     """Blocks of n chunks of m = `heads` consecutive value heads (head i's lanes i*K.. or i*V..): q, k
     [n*C, m*K] (input dtype, non-finite entries read as 0); v [n*C, m*V] (non-finite entries read
     as 0); g [n*C, m*K] raw per-step log decays (cleaned and cumsummed here,
     `chunk_math.Decays.of_steps`); per head, beta [n, 1, C] (non-finite entries read as 0) and tinv
     [n*C, C]; the states: h [n*K, m*V] (the state before each chunk), or with `carry_states` h0
-    [m, K, V] raw (if `has_initial_state`; with `packed` every sequence's [N, HV, K, V] in HBM);
+    [m, K, V] raw (if `has_initial_state`; with `packed` the row's per-sequence states,
+    `sequence_states.state_spec`, in VMEM when `resident`);
     dstate [n*K, m*V]; ddelta, do [n*C, m*V] (do poisoned here as the forward poisoned o, from its
     poison rows [n*8, m*V]: `gla_kda.pallas.poison`).
 
@@ -100,7 +104,15 @@ def intra_bwd_kernel(
         state_ref, h_ref = scratch[:2]
         if packed:
             sequences = SequenceStates(
-                first_ref, last_ref, seq_ref, h0_ref, None, tuple(scratch[2:]), t * per_step, states_per_row
+                first_ref,
+                last_ref,
+                seq_ref,
+                h0_ref,
+                None,
+                tuple(scratch[2:]),
+                t * per_step,
+                states_per_row,
+                resident,
             )
             sequences.load()
 
@@ -392,8 +404,8 @@ def _launch_intra_bwd(
         args.append(h)
     else:
         if has_initial_state:
-            in_specs.append(state_spec(varlen, m, key_dim, value_dim))
-            args.append(h0)
+            in_specs.append(state_spec(varlen, m, key_dim, value_dim, states_per_row))
+            args.append(to_kernel_states(h0, resident_states(varlen, states_per_row, m, key_dim, value_dim)))
         state = pltpu.VMEM((m, key_dim, value_dim), jnp.float32)  # the carried states
         scratch_shapes = [state, pltpu.VMEM((per_step * key_dim, m * value_dim), jnp.float32)]
         if varlen:
@@ -421,6 +433,7 @@ def _launch_intra_bwd(
         has_initial_state=has_initial_state,
         states_per_row=states_per_row,
         packed=varlen,
+        resident=resident_states(varlen, states_per_row, m, key_dim, value_dim),
     )
     dbeta_of_heads = jax.ShapeDtypeStruct((batch, heads // m, num_chunks, 1, c), f32)
     with jax.named_scope("kda_intra_bwd"):

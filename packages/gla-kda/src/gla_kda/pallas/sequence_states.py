@@ -2,14 +2,16 @@
 
 A packed row's sequences may start and end at any chunk of a grid step, so the state kernels
 (`state`, `state_bwd`) cannot pick a sequence's entering and leaving states `[N, HV, K, V]`
-(float32) with one block per grid step. These then stay in HBM (`memory_space=pl.ANY`) and move
-by DMA before and after each grid step, for the chunks the scalar-prefetched metadata marks
+(float32) with one block per grid step. When they are few (`resident_states`), all those of a block of
+value heads stay in VMEM while the kernel walks the row (one head-major block `[m, N/B, K, V]`); else
+they stay in HBM (`memory_space=pl.ANY`). Either way they are copied (in VMEM, or by DMA) before and
+after each grid step, for the chunks the scalar-prefetched metadata marks
 (`SequenceStates`): a chunk that starts a sequence in
 walking order takes its sequence's entering state (zero without one) instead of the carried one, a
 chunk that ends it writes the carried state to its sequence's entry. Walking backwards (the state
 gradients) the roles swap: a sequence starts at its last chunk and ends at its first.
 
-Grid point (b, j, t) reads and writes only rows `b * N/B + sequence` and value heads
+Grid point (b, j, t) reads and writes only sequences `b * N/B ..` and value heads
 `j*m .. j*m + m - 1` of the states, so the parallel grid axes stay race free. An entry no chunk
 ends (an empty sequence's) is never written; the pipeline masks those.
 """
@@ -26,14 +28,43 @@ from jax.experimental.pallas import tpu as pltpu
 from gla_kda.pallas.chunk_math import finite
 from gla_kda.pallas.poison import nonfinite_columns
 
+# The most bytes of per-sequence states a packed row's kernel keeps in VMEM for a whole block of value
+# heads (`resident_states`; the pipeline holds two buffers of each such block, entering and leaving).
+# Above, they move by DMA. libtpu's static estimate charges every conditional DMA, taken or not (v6e,
+# kda_state on a packed row of 4 sequences, B=1 T=8192 H=16: 556.6k cycles by DMA, 460.5k in VMEM).
+RESIDENT_STATES_BYTES = 2 * 2**20
 
-def state_spec(packed: bool, heads: int, key_dim: int, value_dim: int) -> pl.BlockSpec:
-    """The spec of a state kernel's per-sequence states [N, HV, K, V] on its (batch, value-head
-    block, time) grid: all of them in HBM for a packed row (`SequenceStates`), else the [m, K, V]
-    block of batch row b and the m = `heads` value heads of block j (one sequence per row)."""
+
+def resident_states(packed: bool, states_per_row: int, heads: int, key_dim: int, value_dim: int) -> bool:
+    """Whether a packed row's per-sequence states (all N of a block of m = `heads` value heads) stay in
+    VMEM for the whole row: at most `RESIDENT_STATES_BYTES` of them."""
+    return packed and states_per_row * heads * key_dim * value_dim * 4 <= RESIDENT_STATES_BYTES
+
+
+def state_spec(packed: bool, heads: int, key_dim: int, value_dim: int, states_per_row: int = 1) -> pl.BlockSpec:
+    """The spec of a state kernel's per-sequence states on its (batch, value-head block, time) grid:
+    one sequence per row: the [m, K, V] block of [N, HV, K, V] of batch row b and the m = `heads`
+    value heads of block j; a packed row with `resident_states`: the [m, N/B, K, V] block of the
+    head-major [HV, N, K, V] (`to_kernel_states`), the same for every time step; other packed rows:
+    all of [N, HV, K, V] in HBM (`SequenceStates` moves them by DMA)."""
+    if resident_states(packed, states_per_row, heads, key_dim, value_dim):
+        return pl.BlockSpec((heads, states_per_row, key_dim, value_dim), lambda b, j, t, *_: (j, b, 0, 0))
     if packed:
         return pl.BlockSpec(memory_space=pl.ANY)
     return pl.BlockSpec((None, heads, key_dim, value_dim), lambda b, j, t, *_: (b, j, 0, 0))
+
+
+def to_kernel_states(states, resident: bool):
+    """Per-sequence states [N, HV, K, V] as `state_spec` takes them: head-major when `resident`."""
+    return jnp.swapaxes(states, 0, 1) if resident else states
+
+
+def kernel_states_shape(num_states: int, heads: int, key_dim: int, value_dim: int, resident: bool) -> tuple:
+    """The shape of per-sequence states a kernel writes (`to_kernel_states` of [N, HV, K, V])."""
+    return (heads, num_states, key_dim, value_dim) if resident else (num_states, heads, key_dim, value_dim)
+
+
+from_kernel_states = to_kernel_states  # the swap is its own inverse
 
 
 def starts_row(t, first_ref, per_step: int, packed: bool):
@@ -89,6 +120,8 @@ class SequenceStates:
       scratch: `sequence_scratch` (with leaving slots exactly when leaving_ref is given).
       first_chunk: the step's first chunk (scalar int32).
       states_per_row: N / B.
+      resident: entering_ref and leaving_ref are the row's VMEM blocks [m, N/B, K, V]
+        (`resident_states`): the transfers are VMEM copies, not DMAs.
     """
 
     starts_ref: jax.Array
@@ -99,6 +132,7 @@ class SequenceStates:
     scratch: tuple
     first_chunk: jax.Array
     states_per_row: int
+    resident: bool = False
 
     @property
     def _entering_slots(self):
@@ -118,6 +152,14 @@ class SequenceStates:
 
             @pl.when(marks_ref[chunk] == 1)
             def _copy(j=j, chunk=chunk):
+                if self.resident:  # the row's states are a VMEM block [m, N/B, K, V]
+                    sequence = self.sequence_ref[chunk]
+                    for i in range(heads):
+                        if outgoing:
+                            self.leaving_ref[i, sequence] = self._leaving_slots[j, i]
+                        else:
+                            self._entering_slots[j, i] = self.entering_ref[i, sequence]
+                    return
                 row = pl.program_id(0) * self.states_per_row + self.sequence_ref[chunk]
                 if outgoing:
                     pltpu.sync_copy(self._leaving_slots.at[j], self.leaving_ref.at[row, entry])

@@ -46,10 +46,14 @@ from gla_kda.pallas import poison as nf
 from gla_kda.pallas.config import KernelConfig, compiler_params, head_blocks, token_block
 from gla_kda.pallas.sequence_states import (
     SequenceStates,
+    from_kernel_states,
     initial_states,
+    kernel_states_shape,
+    resident_states,
     sequence_scratch,
     starts_row,
     state_spec,
+    to_kernel_states,
 )
 
 
@@ -112,15 +116,17 @@ def state_kernel(
     heads: int,
     states_per_row: int,
     packed: bool,
+    resident: bool = False,
 ):
     """Blocks of n consecutive chunks and m = `heads` value heads (head i of the step at lanes
     i*K.. / i*V..): k [n*C, m*K]; v [n*C, m*V] (input dtype); g [n*C, m*K] raw per-step log
     decays (cleaned and cumsummed here, `chunk_math.Decays.of_steps`); m refs beta [n, 1, C] and
     m refs tinv [n*C, C]; with `emit_output` q [n*C, m*K] (raw) and m refs aqk [n*C, C]; h0
-    [m, K, V] raw, or with `packed` sequences every sequence's [N, HV, K, V] in HBM.
+    [m, K, V] raw, or with `packed` the row's per-sequence states (`sequence_states.state_spec`; in
+    VMEM when `resident`).
 
     Outputs: h [n*K, m*V] (the state before each chunk), o [n*C, m*V], ht [m, K, V] (`packed`:
-    [N, HV, K, V] in HBM), poison rows [n*8, m*V] (`gla_kda.pallas.poison`; non-finite k, v, g,
+    per sequence, as h0), poison rows [n*8, m*V] (`gla_kda.pallas.poison`; non-finite k, v, g,
     beta and h0 are read as 0, and found by `poison_step` in the steps that have any); scratch
     states [m, K, V] float32, with poison rows the columns poisoned so far [m, 1, V] float32 (1:
     poisoned), and with `packed` `sequence_scratch`. Without `packed` (one sequence
@@ -150,7 +156,7 @@ def state_kernel(
     sequences = None
     if packed:
         sequences = SequenceStates(
-            first_ref, last_ref, seq_ref, h0_ref, ht_ref, tuple(rest), t * per_step, states_per_row
+            first_ref, last_ref, seq_ref, h0_ref, ht_ref, tuple(rest), t * per_step, states_per_row, resident
         )
         sequences.load()
 
@@ -308,7 +314,8 @@ def _launch_state(k, v, g, beta, tinv, h0, q, aqk, first, last, seq, *, config, 
     per_step = config.blocks.per_step(num_chunks)
     rows = per_step * c
     m = heads_per_step(heads, config.group, config.blocks.state_heads_per_step)
-    sequence_spec = state_spec(varlen, m, key_dim, value_dim)
+    sequence_spec = state_spec(varlen, m, key_dim, value_dim, states_per_row)
+    resident = resident_states(varlen, states_per_row, m, key_dim, value_dim)
     by_head = head_blocks(m, rows, c)
     in_specs = [
         token_block(rows, m * key_dim, config.group),
@@ -323,7 +330,7 @@ def _launch_state(k, v, g, beta, tinv, h0, q, aqk, first, last, seq, *, config, 
         args += [q, *(aqk,) * m]
     if outputs.has_initial_state:
         in_specs.append(sequence_spec)
-        args.append(h0)
+        args.append(to_kernel_states(h0, resident))
     out_specs, out_shape = [], []
     if outputs.emit_states:
         out_specs.append(token_block(per_step * key_dim, m * value_dim))
@@ -333,7 +340,9 @@ def _launch_state(k, v, g, beta, tinv, h0, q, aqk, first, last, seq, *, config, 
         out_shape.append(jax.ShapeDtypeStruct((batch, padded_len, heads * value_dim), v.dtype))
     if outputs.emit_final_state:
         out_specs.append(sequence_spec)
-        out_shape.append(jax.ShapeDtypeStruct((num_states, heads, key_dim, value_dim), jnp.float32))
+        out_shape.append(
+            jax.ShapeDtypeStruct(kernel_states_shape(num_states, heads, key_dim, value_dim, resident), jnp.float32)
+        )
     scratch_shapes = [pltpu.VMEM((m, key_dim, value_dim), jnp.float32)]
     if outputs.emit_poison:
         out_specs.append(token_block(per_step * nf.ROWS_PER_CHUNK, m * value_dim))
@@ -349,7 +358,13 @@ def _launch_state(k, v, g, beta, tinv, h0, q, aqk, first, last, seq, *, config, 
         scratch_shapes=scratch_shapes,
     )
     kernel = functools.partial(
-        state_kernel, config=config, outputs=outputs, heads=m, states_per_row=states_per_row, packed=varlen
+        state_kernel,
+        config=config,
+        outputs=outputs,
+        heads=m,
+        states_per_row=states_per_row,
+        packed=varlen,
+        resident=resident,
     )
     cost = state_cost(batch, heads, num_chunks, c, key_dim, value_dim, config.mxu_dtype.itemsize, outputs)
     with jax.named_scope("kda_state"):
@@ -365,6 +380,6 @@ def _launch_state(k, v, g, beta, tinv, h0, q, aqk, first, last, seq, *, config, 
     results = list(results)
     h = results.pop(0) if outputs.emit_states else None
     o = results.pop(0) if outputs.emit_output else None
-    ht = results.pop(0) if outputs.emit_final_state else None
+    ht = from_kernel_states(results.pop(0), resident) if outputs.emit_final_state else None
     poison_rows = results.pop(0) if outputs.emit_poison else None
     return h, o, ht, poison_rows

@@ -32,7 +32,15 @@ from gla_core.kit import KERNEL_VMEM_BUDGET_BYTES, fold_vmap, row_to_column
 from gla_kda.pallas import chunk_math as cm
 from gla_kda.pallas import poison as nf
 from gla_kda.pallas.config import KernelConfig, compiler_params, head_index, token_block
-from gla_kda.pallas.sequence_states import SequenceStates, sequence_scratch, state_spec
+from gla_kda.pallas.sequence_states import (
+    SequenceStates,
+    from_kernel_states,
+    kernel_states_shape,
+    resident_states,
+    sequence_scratch,
+    state_spec,
+    to_kernel_states,
+)
 from gla_kda.pallas.state import heads_per_step
 
 
@@ -54,17 +62,18 @@ def state_bwd_kernel(
     heads: int,
     states_per_row: int,
     packed: bool,
+    resident: bool = False,
 ):
     """Blocks of n consecutive chunks (visited last to first) and m = `heads` value heads (head i of
     the step at lanes i*K.. / i*V..): q, k [n*C, m*K] (input dtype, non-finite entries read as 0);
     g [n*C, m*K] raw per-step log decays (`chunk_math.Decays.of_steps`); do [n*C, m*V] (poisoned
     here as the forward poisoned o: `gla_kda.pallas.poison`) and its poison rows [n*8, m*V]; m refs
     each (one per head) of beta [n, 1, C] (non-finite entries read as 0), tinv [n*C, C] and aqk
-    [n*C, C]; dht [m, K, V], or with `packed` sequences every
-    sequence's [N, HV, K, V] in HBM.
+    [n*C, C]; dht [m, K, V], or with `packed` the row's
+    per-sequence states (`sequence_states.state_spec`; in VMEM when `resident`).
 
     Outputs: dstate [n*K, m*V] (gradient of the state after each chunk), ddelta [n*C, m*V],
-    dh0 [m, K, V] (`packed`: [N, HV, K, V] in HBM); scratch dS [m, K, V] float32, and with
+    dh0 [m, K, V] (`packed`: per sequence, as dht); scratch dS [m, K, V] float32, and with
     `packed` `sequence_scratch`. Without `packed` (one sequence per batch row) only the
     step's last chunk may end its sequence and only its first may start it.
     """
@@ -85,7 +94,7 @@ def state_bwd_kernel(
     sequences = None
     if packed:  # walking backwards, a sequence starts at its last chunk and ends at its first
         sequences = SequenceStates(
-            last_ref, first_ref, seq_ref, dht_ref, dh0_ref, tuple(rest), first_chunk, states_per_row
+            last_ref, first_ref, seq_ref, dht_ref, dh0_ref, tuple(rest), first_chunk, states_per_row, resident
         )
         sequences.load()
 
@@ -236,7 +245,8 @@ def _launch_state_bwd(
     per_step = config.blocks.per_step(num_chunks)
     num_steps, rows = num_chunks // per_step, per_step * c
     m = heads_per_step(heads, config.group, config.blocks.state_grad_heads_per_step)
-    sequence_spec = state_spec(varlen, m, key_dim, value_dim)
+    sequence_spec = state_spec(varlen, m, key_dim, value_dim, states_per_row)
+    resident = resident_states(varlen, states_per_row, m, key_dim, value_dim)
     # Head-major inputs as m one-head blocks (m-head blocks of them moving along the sequential
     # time axis make libtpu's static profile estimate 0 cycles; see `state`).
     head_specs, head_args = [], []
@@ -258,7 +268,7 @@ def _launch_state_bwd(
     args = [q, k, g, do, poison_rows, *head_args]
     if dht is not None:
         in_specs.append(sequence_spec)
-        args.append(dht)
+        args.append(to_kernel_states(dht, resident))
     out_specs = [
         token_block(per_step * key_dim, m * value_dim, num_steps=num_steps),
         token_block(rows, m * value_dim, num_steps=num_steps),
@@ -269,7 +279,9 @@ def _launch_state_bwd(
     ]
     if emit_initial_grad:
         out_specs.append(sequence_spec)
-        out_shape.append(jax.ShapeDtypeStruct((num_states, heads, key_dim, value_dim), jnp.float32))
+        out_shape.append(
+            jax.ShapeDtypeStruct(kernel_states_shape(num_states, heads, key_dim, value_dim, resident), jnp.float32)
+        )
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
         grid=(batch, heads // m, num_steps),
@@ -279,7 +291,13 @@ def _launch_state_bwd(
         + (sequence_scratch(per_step, m, key_dim, value_dim, leaving=options.emit_initial_grad) if varlen else []),
     )
     kernel = functools.partial(
-        state_bwd_kernel, config=config, options=options, heads=m, states_per_row=states_per_row, packed=varlen
+        state_bwd_kernel,
+        config=config,
+        options=options,
+        heads=m,
+        states_per_row=states_per_row,
+        packed=varlen,
+        resident=resident,
     )
     with jax.named_scope("kda_state_bwd"):
         results = pl.pallas_call(
@@ -292,5 +310,5 @@ def _launch_state_bwd(
             name="kda_state_bwd",
         )(first, last, seq, *args)
     dstate, ddelta = results[0], results[1]
-    dh0 = results[2] if emit_initial_grad else None
+    dh0 = from_kernel_states(results[2], resident) if emit_initial_grad else None
     return dstate, ddelta, dh0
