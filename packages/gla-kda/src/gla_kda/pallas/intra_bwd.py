@@ -399,13 +399,14 @@ def _launch_intra_bwd(
     in_specs += head_blocks(m, per_step, 1, c) + head_blocks(m, rows, c)
     args = [q, k, v, g, *(beta,) * m, *(tinv,) * m]
     scratch_shapes = []
+    resident = resident_states(varlen, states_per_row, m, key_dim, value_dim)
     if not carry_states:
         in_specs.append(states_spec)
         args.append(h)
     else:
         if has_initial_state:
             in_specs.append(state_spec(varlen, m, key_dim, value_dim, states_per_row))
-            args.append(to_kernel_states(h0, resident_states(varlen, states_per_row, m, key_dim, value_dim)))
+            args.append(to_kernel_states(h0, resident))
         state = pltpu.VMEM((m, key_dim, value_dim), jnp.float32)  # the carried states
         scratch_shapes = [state, pltpu.VMEM((per_step * key_dim, m * value_dim), jnp.float32)]
         if varlen:
@@ -433,7 +434,7 @@ def _launch_intra_bwd(
         has_initial_state=has_initial_state,
         states_per_row=states_per_row,
         packed=varlen,
-        resident=resident_states(varlen, states_per_row, m, key_dim, value_dim),
+        resident=resident,
     )
     dbeta_of_heads = jax.ShapeDtypeStruct((batch, heads // m, num_chunks, 1, c), f32)
     with jax.named_scope("kda_intra_bwd"):
