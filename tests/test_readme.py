@@ -33,7 +33,7 @@ def test_python_snippet_runs(index, capsys):
     exec(compile(_python_snippets()[index], f"README.md python snippet {index}", "exec"), {})
 
 
-COMMANDS_NEEDING_LIBTPU = {"cost", "tune"}
+COMMANDS_NEEDING_LIBTPU = {"cost", "schedule", "tune"}
 
 
 @pytest.mark.parametrize("command", _gla_commands())

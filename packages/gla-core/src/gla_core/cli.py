@@ -229,6 +229,36 @@ def command_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def command_schedule(args: argparse.Namespace) -> int:
+    """Compiles every Pallas call of one program alone for a compile-only TPU and says what bounds
+    its estimated cycles (`gla_core.llo_schedule`)."""
+    from gla_core import llo_schedule
+    from gla_core.cost import attention_problem, program_spec
+    from gla_core.static_profile import schedule_kernels
+
+    _require("libtpu", "gla schedule (compile-only TPU devices)", "pip install 'gla-core[tpu]'")
+    problem = attention_problem(args.op, args.batch, args.seq_len, args.heads, gate=args.gate, sequences=args.varlen)
+    spec = {**program_spec(problem, args.stage, args.impl), "chip": args.chip}
+    kernels = schedule_kernels(spec)
+    rows = [
+        (
+            k.name,
+            k.cycles,
+            k.steps,
+            llo_schedule.ScheduleSummary.from_json(k.schedule) if k.schedule else None,
+            k.error or k.schedule_error,
+        )
+        for k in kernels
+    ]
+    print(llo_schedule.render(rows))
+    print(
+        f"\n{args.chip} static estimate of {problem.label} {args.stage}: per kernel compiled alone, the body of a "
+        "grid step (bundles) against its longest dependence chain (cycles) and each unit's mean slot use "
+        "there (used/slots per bundle). Compiler estimates, not measurements."
+    )
+    return 0 if all(k.schedule for k in kernels) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     OPS = default_registry().ops()
     parser = argparse.ArgumentParser(prog="gla", description="Gated linear attention kernels: registry and demo.")
@@ -312,6 +342,20 @@ def build_parser() -> argparse.ArgumentParser:
         "(default and at most: the memory budget; 0: scale every kernel that has probes, the fastest run)",
     )
     cost.set_defaults(run=command_cost)
+
+    schedule = commands.add_parser(
+        "schedule", help="what bounds each kernel's TPU static estimate: chain vs slots (needs jax[tpu])"
+    )
+    schedule.add_argument("op", choices=OPS)
+    schedule.add_argument("--chip", choices=("v5e", "v6e"), default="v6e")
+    schedule.add_argument("-B", "--batch", type=int, default=1)
+    schedule.add_argument("-T", "--seq-len", type=int, default=2048)
+    schedule.add_argument("-H", "--heads", type=int, default=4)
+    schedule.add_argument("--stage", choices=("fwd", "train"), default="train")
+    schedule.add_argument("--impl", default=None, help="implementation (default: the op's default on TPU)")
+    schedule.add_argument("--gate", default="g", help="simple_gla: g or g_gamma")
+    schedule.add_argument("--varlen", type=int, metavar="N", default=None, help="packed input of N sequences (B=1)")
+    schedule.set_defaults(run=command_schedule)
 
     tuning = commands.add_parser("tune", help="choose per-chip option defaults by TPU static estimate (needs jax[tpu])")
     tuning.add_argument("op", choices=OPS)

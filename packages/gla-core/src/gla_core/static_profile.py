@@ -37,12 +37,14 @@ import math
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 
+from gla_core import llo_schedule
 from gla_core.errors import GlaError
 from gla_core.pallas_jaxpr import pallas_equations
 from gla_core.tpu_checks import is_mosaic_call, scoped_vmem_bytes
@@ -117,6 +119,9 @@ class KernelProfile:
       base_bytes, peak_bytes: resident memory of the compiling process before the compile and at its peak.
       error: why the compile failed ("" when it did not; cycles and vmem are then 0).
       over_memory: the compile was killed for exceeding the job's memory reservation.
+      steps: its grid's number of steps.
+      schedule: with a job's "schedule", what bounds its cycles (`gla_core.llo_schedule.ScheduleSummary`
+        as JSON), or None; schedule_error: why there is none.
     """
 
     index: int
@@ -128,6 +133,9 @@ class KernelProfile:
     peak_bytes: int = 0
     error: str = ""
     over_memory: bool = False
+    steps: int = 0
+    schedule: dict | None = None
+    schedule_error: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -375,7 +383,8 @@ def run_job(job: dict, *, memory_limit: int | None = None, timeout: float = DEFA
     `job`: {"mode": "whole" | "stub" | "kernels", "chip", "programs": [spec, ...], "profile": bool
     (default: True unless "stub"), "probes": [[spec, ...], ...] (stub mode: per program, its probe
     candidates, see `StubbedProgram.probe`), "only": [[program, kernel], ...] (kernels mode: compile
-    only these)}. A subprocess is
+    only these), "schedule": bool (kernels mode: also dump each kernel's schedule and summarize it,
+    `gla_core.llo_schedule`)}. A subprocess is
     killed when its resident memory exceeds `memory_limit` bytes or it runs longer than `timeout`
     seconds. A kernels job whose subprocess dies (an abort in libtpu, or killed) is resumed after the
     kernel it was compiling, which gets a record with its "error"; any other failure raises `ProfileError`.
@@ -391,6 +400,9 @@ def run_job(job: dict, *, memory_limit: int | None = None, timeout: float = DEFA
             env = dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1", TPU_SKIP_MDS_QUERY="1", TPU_LOG_DIR=str(logs))
             if profile:
                 env["LIBTPU_INIT_ARGS"] = f"{PROFILE_FLAG}={directory / 'profiles'}"
+            if job.get("schedule"):
+                flags = (f"--xla_jf_dump_to={directory / 'llo'}", *llo_schedule.SCHEDULE_FLAGS)
+                env["LIBTPU_INIT_ARGS"] = " ".join([env.get("LIBTPU_INIT_ARGS", ""), *flags]).strip()
             skip = [[r["program"], r["kernel"]] for r in done + failed if "kernel" in r]
             command = [sys.executable, "-m", "gla_core.static_profile", json.dumps({**job, "skip": skip}), tmp]
             why, over_memory = _run_watched(command, env, directory / "output.log", timeout, memory_limit)
@@ -456,6 +468,13 @@ def profile_kernels(
         job["only"] = [list(pair) for pair in only]
     records = run_job(job, memory_limit=memory_limit)
     return [_kernel_profiles(records, i) for i in range(len(specs))]
+
+
+def schedule_kernels(spec: dict, memory_limit: int | None = None) -> list[KernelProfile]:
+    """Every Pallas call of the program `spec` describes compiled alone, with its estimated cycles
+    and what bounds them (`KernelProfile.schedule`, `gla_core.llo_schedule`), in program order."""
+    job = {"mode": "kernels", "chip": spec["chip"], "programs": [spec], "schedule": True}
+    return _kernel_profiles(run_job(job, memory_limit=memory_limit), 0)
 
 
 def profile_program(spec: dict, memory_limit: int | None = None) -> ProgramProfile:
@@ -586,6 +605,19 @@ class _Worker:
             path.unlink()
         return cycles
 
+    def _schedule(self, hlo_name: str, step_cycles: int) -> dict:
+        """With the job's "schedule", the summary of the kernel just compiled, whose grid steps take
+        `step_cycles` each (its dumps are removed once read)."""
+        if not self.job.get("schedule"):
+            return {}
+        dumps = self.out / "llo"
+        try:
+            return {"schedule": llo_schedule.summarize_dump(dumps, hlo_name, step_cycles).to_json()}
+        except llo_schedule.ScheduleError as error:
+            return {"schedule_error": str(error)}
+        finally:
+            shutil.rmtree(dumps, ignore_errors=True)
+
     def run(self) -> None:
         from jax._src import core
 
@@ -640,9 +672,13 @@ class _Worker:
             compiled = lowered.compile()
             seconds = time.process_time() - start
             alone = profile_from(compiled.as_text(), self._cycles(), _memory(compiled), self.chip)
-            (cycles,) = alone.kernel_cycles.values()
+            ((hlo_name, cycles),) = alone.kernel_cycles.items()
             (vmem,) = alone.kernel_vmem.values()
-            measured = kernel_measurement(cycles, vmem, seconds=seconds, base_bytes=base, peak_bytes=_peak_bytes())
+            steps = kernel_call(eqn).steps
+            extra = {"steps": steps, **self._schedule(hlo_name, cycles // max(steps, 1))}
+            measured = kernel_measurement(
+                cycles, vmem, seconds=seconds, base_bytes=base, peak_bytes=_peak_bytes(), **extra
+            )
             self.compiled[digest] = measured
             self._write("results.jsonl", {**described, **measured})
 
