@@ -29,21 +29,27 @@ DEFAULTS = {
     "state_grad_heads_per_step": 2,
     "grad_heads_per_step": 2,
 }
-# v6e's row (v7x borrows it): chunks of 128.
+# v6e's row (v7x borrows it): chunks of 128, the gradient kernel at 4 value heads and 1 chunk per step.
 V6E_ROW = {
     "kernel_chunk": 128,
     "anchor_range": None,
     "chunks_per_step": 8,
     "intra_chunks_per_step": 16,
-    "grad_chunks_per_step": 2,
+    "grad_chunks_per_step": 1,
     "state_heads_per_step": 4,
     "state_grad_heads_per_step": 2,
-    "grad_heads_per_step": 2,
+    "grad_heads_per_step": 4,
 }
 # v5e's own row: half the chunks per grid step of the state kernels, so kda_state fits v5e's 16 MiB
-# of scoped VMEM (`test_chunk_tpu_compile.py`), 4 of intra, and one value head per step of the
-# gradient kernel.
-V5E_ROW = {**V6E_ROW, "chunks_per_step": 4, "intra_chunks_per_step": 4, "grad_heads_per_step": 1}
+# of scoped VMEM (`test_chunk_tpu_compile.py`), 4 of intra, and one value head and 2 chunks per step
+# of the gradient kernel.
+V5E_ROW = {
+    **V6E_ROW,
+    "chunks_per_step": 4,
+    "intra_chunks_per_step": 4,
+    "grad_heads_per_step": 1,
+    "grad_chunks_per_step": 2,
+}
 
 
 def _kwargs() -> dict:
@@ -115,7 +121,7 @@ def test_block_sizes_of_the_options():
 
 # Cases at kernel chunk 128 (the call's chunk_size is 32: the option replaces it). T <= 256: two chunks.
 CHUNK_128_CASES = {
-    # 2 chunks per grid step (the v6e row's counts, capped by T), odd K and V, h0/ht.
+    # The v6e row's counts (capped by T and H), odd K and V, h0/ht.
     "v6e_row_h0_ht_odd_dims": (
         dict(seq_len=256, key_dim=48, value_dim=40, initial_state=True, output_final_state=True),
         V6E_ROW,

@@ -33,17 +33,19 @@ DEFAULT_INTRA_CHUNKS_PER_STEP = 16
 # 16-row blocks, 568.7k with 8 (8 chunks per step).
 DEFAULT_INVERSE_BLOCK = 8
 # Value heads per grid step of the forward state recurrence: their chains of dependent matrix
-# products interleave. The v6e static estimate of the kernel alone at B=1 T=1024 H=16: 216k cycles
-# with 1 head per step, 131k with 2, 107k with 4, 110k with 8 (twice the VMEM of 4).
+# products interleave, issued stage by stage over the heads (`state.wy_deltas`). The v6e static
+# estimate of the kernel alone at B=1 T=2048 H=4 (chunks of 128): 32.7k cycles with 2 heads per
+# step, 27.2k with 4; at H=8, 53.3k with 8 (twice the VMEM of 4).
 DEFAULT_STATE_HEADS_PER_STEP = 4
 # The same for the reverse state-gradient recurrence (`state_bwd`), measured on its own (v6e static
-# estimate, B=1 T=1024 H=16): 171k cycles with 1 head per step, 123k with 2, 128k with 4, 126k
-# with 8 (VMEM 4.0, 8.0, 15 MiB for 2, 4, 8).
+# estimate, B=1 T=2048 H=4): 24.8k cycles with 2 heads per step, 26.1k with 4.
 DEFAULT_STATE_GRAD_HEADS_PER_STEP = 2
 # Value heads and chunks per grid step of the per-chunk gradient kernel (`intra_bwd`): the heads'
 # carried state chains interleave as in the state kernels. v6e static estimate of the kernel in
-# the training step at B=2 T=4096 H=16, heads x chunks: 1 x 4 1,827k cycles, 2 x 2 1,709k,
-# 4 x 1 1,767k, 2 x 1 1,852k, 2 x 4 1,848k (37.7 MiB of VMEM; 19.4 MiB at 2 x 2).
+# the training step at B=1 T=2048 H=4 (chunks of 128), heads x chunks: 2 x 2 87.5k cycles,
+# 4 x 1 81.5k, 4 x 2 102.0k, 1 x 4 98.7k; at H=8, 8 x 1 229.5k against 164.2k at 4 x 1. v6e's
+# table (`gla_core.tuning`) takes 4 x 1; these defaults, 2 x 2, keep a chunk-to-chunk carry in
+# each grid step where no table applies (interpret mode).
 DEFAULT_GRAD_HEADS_PER_STEP = 2
 DEFAULT_GRAD_CHUNKS_PER_STEP = 2
 

@@ -35,7 +35,7 @@ from gla_core.kit import KERNEL_VMEM_BUDGET_BYTES, column_to_row, fold_vmap, row
 from gla_kda.pallas import chunk_math as cm
 from gla_kda.pallas import poison as nf
 from gla_kda.pallas.config import KernelConfig, compiler_params, head_block, head_blocks, token_block
-from gla_kda.pallas.gated_grads import diagonals_in_range, gated_grads
+from gla_kda.pallas.gated_grads import GatedGrads, diagonals_in_range, gated_grads
 from gla_kda.pallas.sequence_states import (
     SequenceStates,
     initial_states,
@@ -45,7 +45,7 @@ from gla_kda.pallas.sequence_states import (
     state_spec,
     to_kernel_states,
 )
-from gla_kda.pallas.state import advance_state, heads_per_step, wy_delta
+from gla_kda.pallas.state import advance_state, heads_per_step, wy_deltas
 
 
 def intra_bwd_kernel(
@@ -132,36 +132,47 @@ def intra_bwd_kernel(
             rows, state_rows = pl.ds(n * c, c), pl.ds(n * key_dim, key_dim)
             if carries is not None and sequences is not None:
                 carries, _ = sequences.restart_finite(n, carries, None)
+            # Stage by stage over the heads (`state.wy_deltas`): their deltas, the states after the
+            # chunk (the next chunk waits on them), then the products of the gradient.
+            states, ks, vs, betas, tinvs = [], [], [], [], []
             for i in range(heads):
                 keys, values = pl.ds(i * key_dim, key_dim), pl.ds(i * value_dim, value_dim)
                 if carries is not None:
                     h_ref[state_rows, values] = carries[i]
-                    state = carries[i]
+                    states.append(carries[i])
                 else:
-                    state = h_ref[state_rows, values].astype(cm.F32)
-                raw_q, k = q_ref[rows, keys], cm.finite(k_ref[rows, keys])
-                beta, tinv = row_to_column(cm.finite(beta_refs[i][n])), tinv_refs[i][rows, :]
-                v = cm.finite(v_ref[rows, values])
-                forward = chunk_forward(k, v, g_ref[rows, keys], beta, tinv, state, config)
+                    states.append(h_ref[state_rows, values].astype(cm.F32))
+                ks.append(cm.finite(k_ref[rows, keys]))
+                vs.append(cm.finite(v_ref[rows, values]))
+                betas.append(row_to_column(cm.finite(beta_refs[i][n])))
+                tinvs.append(tinv_refs[i][rows, :])
+            gates = [g_ref[rows, pl.ds(i * key_dim, key_dim)] for i in range(heads)]
+            forwards = chunk_forwards(ks, vs, gates, betas, tinvs, states, config)
+            for i, (k, forward) in enumerate(zip(ks, forwards, strict=True)):
+                if carries is not None:
+                    carries[i] = advance_state(
+                        k * forward.to_end, forward.decays, forward.delta, carries[i], config.mxu_dtype
+                    )
+            for i, forward in enumerate(forwards):
+                keys, values = pl.ds(i * key_dim, key_dim), pl.ds(i * value_dim, value_dim)
+                raw_q = q_ref[rows, keys]
                 do = nf.poison_chunk(do_ref[rows, values].astype(cm.F32), poison_ref, n, raw_q, values)
                 dstate = dstate_ref[state_rows, values].astype(cm.F32)
                 ddelta = ddelta_ref[rows, values].astype(cm.F32)
-                chunk = chunk_products(
-                    cm.finite(raw_q) * config.scale, k, beta, tinv, state, dstate, ddelta, do, forward, config
+                q = cm.finite(raw_q) * config.scale
+                products[n, i] = chunk_products(
+                    q, ks[i], betas[i], tinvs[i], states[i], dstate, ddelta, do, forward, config
                 )
-                products[n, i] = chunk
-                if carries is not None:
-                    carries[i] = advance_state(
-                        chunk.k * chunk.to_end, chunk.decays, chunk.delta, carries[i], config.mxu_dtype
-                    )
         if carries is not None:
             for i in range(heads):
                 state_ref[i] = carries[i]
-        # Second stage once every chunk's products are issued: the chunks' chains interleave.
+        # Then the gated products' gradients of every chunk, then the rest: stage by stage, the
+        # chunks' chains interleave (`state.wy_deltas`).
+        gated = {key: chunk_gated_grads(chunk, config, anchor_range) for key, chunk in products.items()}
         for (n, i), chunk in products.items():
             rows = pl.ds(n * c, c)
             keys, values = pl.ds(i * key_dim, key_dim), pl.ds(i * value_dim, value_dim)
-            dq, dk, dv, dbeta, dg = chunk_grads(chunk, config, anchor_range)
+            dq, dk, dv, dbeta, dg = chunk_grads(chunk, gated[n, i], config)
             dq_ref[rows, keys] = (dq * config.scale).astype(dq_ref.dtype)
             dk_ref[rows, keys] = dk.astype(dk_ref.dtype)
             dv_ref[rows, values] = dv.astype(dv_ref.dtype)
@@ -212,29 +223,36 @@ class ChunkProducts:
 
 @dataclasses.dataclass(frozen=True)
 class ChunkForward:
-    """What the forward formed of one chunk (float32): decays, decay = exp(G) [C, K], projected =
-    v - k exp(G) S and delta = Tinv beta projected [C, V]."""
+    """What the forward formed of one chunk (float32): decays, decay = exp(G), to_end =
+    exp(G_last - G) [C, K], projected = v - k exp(G) S and delta = Tinv beta projected [C, V]."""
 
     decays: cm.Decays
     decay: jax.Array
+    to_end: jax.Array
     projected: jax.Array
     delta: jax.Array
 
 
-def chunk_forward(k, v, g, beta, tinv, state, config: KernelConfig) -> ChunkForward:
-    """`ChunkForward` of one chunk: k [C, K]; v [C, V]; g [C, K] the raw per-step log decays; beta
-    [C, 1]; tinv [C, C] (`config.store_dtype`); state [K, V]."""
-    decays = cm.Decays.of_steps(g, cm.SubBlocks(config.blocks.chunk_size, config.blocks.grad_sub_chunk))
-    decay = jnp.exp(decays.cum)
-    projected, delta = wy_delta(k * decay, v, beta, tinv, state, config.mxu_dtype)
-    return ChunkForward(decays, decay, projected, delta)
+def chunk_forwards(ks, vs, gates, betas, tinvs, states, config: KernelConfig) -> list[ChunkForward]:
+    """`ChunkForward` of independent chunks (one per head of a grid step; `state.wy_deltas`): per
+    chunk k [C, K]; v [C, V]; g [C, K] the raw per-step log decays; beta [C, 1]; tinv [C, C]
+    (`config.store_dtype`); state [K, V]."""
+    sub_blocks = cm.SubBlocks(config.blocks.chunk_size, config.blocks.grad_sub_chunk)
+    decays = [cm.Decays.of_steps(g, sub_blocks) for g in gates]
+    decay = [jnp.exp(d.cum) for d in decays]
+    decayed = [k * d for k, d in zip(ks, decay, strict=True)]
+    projected, deltas = wy_deltas(decayed, vs, betas, tinvs, states, config.mxu_dtype)
+    return [
+        ChunkForward(d, e, jnp.exp(d.to_end), p, delta)
+        for d, e, p, delta in zip(decays, decay, projected, deltas, strict=True)
+    ]
 
 
 def chunk_products(q, k, beta, tinv, state, dstate, ddelta, do, forward: ChunkForward, config: KernelConfig):
     """`ChunkProducts` of one chunk.
 
     q (scaled), k [C, K]; ddelta, do [C, V]; beta [C, 1]; tinv [C, C] (`config.store_dtype`);
-    state, dstate [K, V]; the others float32; forward: the chunk's `chunk_forward`.
+    state, dstate [K, V]; the others float32; forward: the chunk's `chunk_forwards`.
     """
     dtype, c = config.mxu_dtype, config.blocks.chunk_size
     decays, decay, projected, delta = forward.decays, forward.decay, forward.projected, forward.delta
@@ -250,7 +268,7 @@ def chunk_products(q, k, beta, tinv, state, dstate, ddelta, do, forward: ChunkFo
         dstate=dstate,
         decays=decays,
         decay=decay,
-        to_end=jnp.exp(decays.to_end),
+        to_end=forward.to_end,
         projected=projected,
         delta=delta,
         dy=dy,
@@ -262,16 +280,20 @@ def chunk_products(q, k, beta, tinv, state, dstate, ddelta, do, forward: ChunkFo
     )
 
 
-def chunk_grads(p: ChunkProducts, config: KernelConfig, anchor_range: float | None):
-    """(dq before the scale, dk, dv [C, V], dbeta [C, 1], dg) of one chunk, float32 ([C, K] unless stated).
+def chunk_gated_grads(p: ChunkProducts, config: KernelConfig, anchor_range: float | None) -> GatedGrads:
+    """The gradients of one chunk's gated products (`gated_grads.gated_grads`). anchor_range: of the
+    diagonal sub-blocks' gated products, or None for the exact loop."""
+    # Akk = beta * P[k] (strict), Aqk = P[q] (incl. the diagonal): W = d_akk with a = beta k, and d_aqk with a = q.
+    pairs = [(p.d_akk, p.beta * p.k), (p.d_aqk, p.q)]
+    return gated_grads(pairs, p.k, p.decays, config.mxu_dtype, config.unroll, anchor_range)
 
-    anchor_range: of the diagonal sub-blocks' gated products (`gated_grads.gated_grads`), or None
-    for the exact loop."""
+
+def chunk_grads(p: ChunkProducts, grads: GatedGrads, config: KernelConfig):
+    """(dq before the scale, dk, dv [C, V], dbeta [C, 1], dg) of one chunk, float32 ([C, K] unless
+    stated), from its products and `chunk_gated_grads`."""
     dtype, q, k, beta, decays = config.mxu_dtype, p.q, p.k, p.beta, p.decays
     dv = beta * p.dy
     dbeta = jnp.sum(p.dy * p.projected, axis=1, keepdims=True)
-    # Akk = beta * P[k] (strict), Aqk = P[q] (incl. the diagonal): W = d_akk with a = beta k, and d_aqk with a = q.
-    grads = gated_grads([(p.d_akk, beta * k), (p.d_aqk, q)], k, decays, dtype, config.unroll, anchor_range)
     (rows_kk, rows_qk), (cols_kk, cols_qk) = grads.rows, grads.cols
     dbeta = dbeta + jnp.sum(k * rows_kk, axis=1, keepdims=True)
 

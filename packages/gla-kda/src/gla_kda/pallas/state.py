@@ -83,11 +83,18 @@ class StateOutputs:
             raise InvalidArgumentError("StateOutputs: emit_output poisons o from the poison rows; it needs emit_poison")
 
 
-def wy_delta(decayed_k, v, beta, tinv, state, dtype):
-    """(projected = v - k exp(G) S, delta = Tinv beta projected (same as u - w S)), each [C, V]
-    float32, from decayed_k = k exp(G) [C, K]."""
-    projected = v - cm.dot(decayed_k, state, dtype)
-    return projected, cm.dot(tinv, beta * projected, dtype)
+def wy_deltas(decayed_ks, vs, betas, tinvs, states, dtype):
+    """(projected = v - k exp(G) S, delta = Tinv beta projected (same as u - w S)), each a list of
+    [C, V] float32, of independent chunks (one per head of a grid step) from decayed_k = k exp(G)
+    [C, K], v [C, V], beta [C, 1], tinv [C, C] and the state S [K, V] of each.
+
+    Stage by stage: every chunk's first product is issued before any second one. The matrix units
+    take products in program order, so a chunk's second product, waiting on its first, would hold
+    back the other chunks' products queued behind it (v6e static estimate of kda_state at B=1
+    T=2048 H=4, 4 heads per step: 31.7k cycles chunk by chunk, 27.2k stage by stage)."""
+    projected = [v - cm.dot(k, state, dtype) for k, v, state in zip(decayed_ks, vs, states, strict=True)]
+    deltas = [cm.dot(tinv, beta * p, dtype) for tinv, beta, p in zip(tinvs, betas, projected, strict=True)]
+    return projected, deltas
 
 
 def advance_state(k_to_end, decays: cm.Decays, delta, state, dtype):
@@ -173,23 +180,34 @@ def state_kernel(
         rows = pl.ds(n * c, c)
         if sequences is not None:
             states, poisoned = sequences.restart_finite(n, states, poisoned)
-        for i in range(heads):  # independent chains: the scheduler interleaves them
+        # The heads' chains of dependent products go stage by stage (`wy_deltas`): the deltas, the
+        # states after the chunk, then the outputs, which no later product waits on.
+        ks, vs, betas, decays, decay = [], [], [], [], []
+        for i in range(heads):
             keys, values = pl.ds(i * key_dim, key_dim), pl.ds(i * value_dim, value_dim)
             if h_ref is not None:
                 h_ref[pl.ds(n * key_dim, key_dim), values] = states[i].astype(h_ref.dtype)
             raw_k, raw_v, raw_beta, raw_g = k_ref[rows, keys], v_ref[rows, values], beta_refs[i][n], g_ref[rows, keys]
-            decays = cm.Decays.of_steps(raw_g, sb, config.compensated_decays)
-            k, v, beta = cm.finite(raw_k), cm.finite(raw_v), row_to_column(cm.finite(raw_beta))
-            decay = jnp.exp(decays.cum)
-            _, delta = wy_delta(k * decay, v, beta, tinv_refs[i][rows, :], states[i], config.mxu_dtype)
+            decays.append(cm.Decays.of_steps(raw_g, sb, config.compensated_decays))
+            decay.append(jnp.exp(decays[i].cum))
+            ks.append(cm.finite(raw_k))
+            vs.append(cm.finite(raw_v))
+            betas.append(row_to_column(cm.finite(raw_beta)))
             if step_flags is not None:
                 step_flags.add_inputs(raw_k, raw_g, raw_beta, raw_v, None if q_ref is None else q_ref[rows, keys])
                 step_flags.add_poisoned(poisoned[i])
                 nf.write_chunk_row(poison_ref, n, values, jnp.full(poisoned[i].shape, float(c), jnp.float32))
-            if o_ref is not None:
-                o = chunk_output(q_ref[rows, keys], decay, states[i], aqk_refs[i][rows, :], delta, config)
-                o_ref[rows, values] = o.astype(o_ref.dtype)
-            states[i] = advance_state(k * jnp.exp(decays.to_end), decays, delta, states[i], config.mxu_dtype)
+        tinvs = [tinv_refs[i][rows, :] for i in range(heads)]
+        decayed = [k * d for k, d in zip(ks, decay, strict=True)]
+        _, deltas = wy_deltas(decayed, vs, betas, tinvs, states, config.mxu_dtype)
+        before = list(states)
+        for i in range(heads):
+            k_to_end = ks[i] * jnp.exp(decays[i].to_end)
+            states[i] = advance_state(k_to_end, decays[i], deltas[i], states[i], config.mxu_dtype)
+        for i in range(heads if o_ref is not None else 0):
+            keys, values = pl.ds(i * key_dim, key_dim), pl.ds(i * value_dim, value_dim)
+            o = chunk_output(q_ref[rows, keys], decay[i], before[i], aqk_refs[i][rows, :], deltas[i], config)
+            o_ref[rows, values] = o.astype(o_ref.dtype)
         if sequences is not None:
             sequences.keep(n, states)
     if sequences is not None:

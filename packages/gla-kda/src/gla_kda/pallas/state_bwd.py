@@ -11,11 +11,11 @@ any chunk of a grid step: their final-state cotangents and initial-state gradien
 (`sequence_states`, walking backwards).
 
 A grid step takes m value heads (`BlockSizes.state_grad_heads_per_step`) whose chains of
-dependent products the scheduler interleaves, with the block layouts of the forward state kernel
-(`state`) so libtpu's static cost model estimates the kernel: q, k, dO are read and dstate,
-g (raw per-step log decays, cleaned and cumsummed here as in the forward kernels) are read and
-dstate, ddelta written token-major ([rows, m*D] blocks), and the head-major beta, tinv and aqk
-are read as m one-head blocks.
+dependent products interleave, issued stage by stage over the heads (`state.wy_deltas`). It has
+the block layouts of the forward state kernel (`state`) so libtpu's static cost model estimates
+the kernel: q, k, dO and g (raw per-step log decays, cleaned and cumsummed here as in the forward
+kernels) are read and dstate, ddelta written token-major ([rows, m*D] blocks), and the head-major
+beta, tinv and aqk are read as m one-head blocks.
 """
 
 from __future__ import annotations
@@ -139,12 +139,15 @@ def state_bwd_kernel(
         rows = pl.ds(n * c, c)
         if sequences is not None:
             grads = sequences.restart(n, grads)
-        for i in range(heads):  # independent chains: the scheduler interleaves them
+        # Stage by stage over the heads: every ddelta before any state update (`state.wy_deltas`).
+        chunk_terms = [terms(i, n) for i in range(heads)]
+        ddeltas = []
+        for i, (from_output, k_to_end, _, _, _) in enumerate(chunk_terms):
             values = pl.ds(i * value_dim, value_dim)
-            from_output, k_to_end, total_decay, q_term, w = terms(i, n)
             dstate_ref[pl.ds(n * key_dim, key_dim), values] = grads[i].astype(dstate_ref.dtype)
-            ddelta = from_output + cm.dot(k_to_end, grads[i], dtype)
-            ddelta_ref[rows, values] = ddelta.astype(ddelta_ref.dtype)
+            ddeltas.append(from_output + cm.dot(k_to_end, grads[i], dtype))
+        for i, ((_, _, total_decay, q_term, w), ddelta) in enumerate(zip(chunk_terms, ddeltas, strict=True)):
+            ddelta_ref[rows, pl.ds(i * value_dim, value_dim)] = ddelta.astype(ddelta_ref.dtype)
             grads[i] = total_decay * grads[i] + q_term - cm.dot(w, ddelta, dtype, trans_a=True)
         if sequences is not None:
             sequences.keep(n, grads)
