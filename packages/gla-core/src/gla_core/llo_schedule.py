@@ -82,7 +82,8 @@ class ScheduleSummary:
     Attributes:
       kernel: the kernel's HLO name.
       total_bundles: every bundle of the kernel.
-      body_bundles: the bundles of the region holding the longest chain, without nested regions.
+      body_bundles: the bundles of the region holding the longest chain, without those a forward
+        branch can jump over.
       critical_path: that chain's length in cycles.
       unit_use: per unit, mean slots used per bundle of the body.
       unit_capacity: per unit, slots per bundle.
@@ -108,7 +109,7 @@ class ScheduleSummary:
 
     @property
     def bound(self) -> str:
-        """ "latency" or "throughput: UNIT" (`LATENCY_BOUND_FRACTION`)."""
+        """Either "latency" or "throughput: UNIT" (`LATENCY_BOUND_FRACTION`)."""
         if self.critical_path >= LATENCY_BOUND_FRACTION * self.body_bundles:
             return "latency"
         return f"throughput: {self.busiest_unit}"
