@@ -204,10 +204,11 @@ def state_kernel(
         for i in range(heads):
             k_to_end = ks[i] * jnp.exp(decays[i].to_end)
             states[i] = advance_state(k_to_end, decays[i], deltas[i], states[i], config.mxu_dtype)
-        for i in range(heads if o_ref is not None else 0):
-            keys, values = pl.ds(i * key_dim, key_dim), pl.ds(i * value_dim, value_dim)
-            o = chunk_output(q_ref[rows, keys], decay[i], before[i], aqk_refs[i][rows, :], deltas[i], config)
-            o_ref[rows, values] = o.astype(o_ref.dtype)
+        if o_ref is not None:
+            for i in range(heads):
+                keys, values = pl.ds(i * key_dim, key_dim), pl.ds(i * value_dim, value_dim)
+                o = chunk_output(q_ref[rows, keys], decay[i], before[i], aqk_refs[i][rows, :], deltas[i], config)
+                o_ref[rows, values] = o.astype(o_ref.dtype)
         if sequences is not None:
             sequences.keep(n, states)
     if sequences is not None:
