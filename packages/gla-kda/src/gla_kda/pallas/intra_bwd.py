@@ -134,7 +134,7 @@ def intra_bwd_kernel(
                 carries, _ = sequences.restart_finite(n, carries, None)
             # Stage by stage over the heads (`state.wy_deltas`): their deltas, the states after the
             # chunk (the next chunk waits on them), then the products of the gradient.
-            states, ks, vs, betas, tinvs = [], [], [], [], []
+            states, ks, vs, gates, betas, tinvs = [], [], [], [], [], []
             for i in range(heads):
                 keys, values = pl.ds(i * key_dim, key_dim), pl.ds(i * value_dim, value_dim)
                 if carries is not None:
@@ -144,9 +144,9 @@ def intra_bwd_kernel(
                     states.append(h_ref[state_rows, values].astype(cm.F32))
                 ks.append(cm.finite(k_ref[rows, keys]))
                 vs.append(cm.finite(v_ref[rows, values]))
+                gates.append(g_ref[rows, keys])
                 betas.append(row_to_column(cm.finite(beta_refs[i][n])))
                 tinvs.append(tinv_refs[i][rows, :])
-            gates = [g_ref[rows, pl.ds(i * key_dim, key_dim)] for i in range(heads)]
             forwards = chunk_forwards(ks, vs, gates, betas, tinvs, states, config)
             for i, (k, forward) in enumerate(zip(ks, forwards, strict=True)):
                 if carries is not None:
