@@ -379,15 +379,28 @@ class Decays:
           dg_u = sum_{t >= u} after_t + sum_{t < u} before_t
                  + sum_{t >= u in u's sub-block} after_block_t + sum_{t < u in u's sub-block} before_block_t
         (G_t sums the decays up to t; G_last - G_t those after t; and the same inside a sub-block).
-        Float32 triangular matmuls (`dot_mask` of inputs of `dtype`); nothing is formed as a
-        difference of sums.
+        The steps t of u's own sub-block take one float32 triangular matmul (`dot_mask` of inputs of
+        `dtype`) of [after + after_block; before + before_block] against the two masks side by side;
+        the whole sub-blocks after (before) u's add their column sums of `after` (`before`). Every
+        term is summed once: nothing is formed as a difference of sums.
         """
-        c = self.sb.chunk
-        u, t = iota((c, c), 0), iota((c, c), 1)
-        same_block = self.sb.same_block()
-        masks = (t >= u, t < u, (t >= u) & same_block, (t < u) & same_block)
-        terms = (after, before, after_block, before_block)
-        return sum(dot_mask(mask, term, dtype) for mask, term in zip(masks, terms, strict=True))
+        sb, c = self.sb, self.sb.chunk
+        u, j = iota((c, 2 * c), 0), iota((c, 2 * c), 1)
+        second = j >= c  # columns c.. take the `before` terms
+        t = jnp.where(second, j - c, j)
+        start = sb.start(2 * c)
+        in_block = (t >= start) & (t < start + sb.sub)
+        inside = dot_mask(
+            in_block & ((second & (t < u)) | (~second & (t >= u))),
+            jnp.concatenate([after + after_block, before + before_block], axis=0),
+            dtype,
+        )
+        if sb.count == 1:
+            return inside
+        after_sums = [jnp.sum(sb.rows(after, b), axis=0, keepdims=True) for b in range(sb.count)]
+        before_sums = [jnp.sum(sb.rows(before, b), axis=0, keepdims=True) for b in range(sb.count)]
+        outside = [functools.reduce(jnp.add, after_sums[b + 1 :] + before_sums[:b]) for b in range(sb.count)]
+        return inside + self.per_block(outside)
 
 
 def position_loop(count: int, body, carry, unroll: bool):
