@@ -81,9 +81,12 @@ class StepFlags:
     little cost, so that the poison rows and the poisoning of the outputs (`chunk_poison`, `poison`)
     run only in the steps that need them.
 
-    Two running folds, each reduced over sublane tiles as its terms come: sums of x * 0 (0 where x
-    is finite, NaN elsewhere; for 16-bit inputs in their own dtype, two rows per 32-bit word) and
-    maxima of 0/1 flags.
+    Running folds, each reduced over sublane tiles as its terms come: sums of the raw inputs (in
+    their own dtype, two rows per 32-bit word for 16-bit inputs), one addition per vector register,
+    and maxima of 0/1 flags. A sum is NaN or infinite when a term is (+inf beside -inf sums to NaN);
+    a sum of finite terms that overflows flags the step too, which then merely runs the poison
+    search and finds nothing. The raw log decays' sum flags NaN and +inf only: -inf is a hard reset,
+    and a sum with -inf terms stays -inf unless a NaN or +inf term is there too.
     """
 
     def __init__(self):
@@ -94,7 +97,7 @@ class StepFlags:
         tile = ROWS_PER_CHUNK * max(1, 4 // x.dtype.itemsize)
         if rows > tile and rows % tile == 0:
             parts = x.reshape(rows // tile, tile, width)
-            x = jnp.sum(parts, axis=0) if kind == "sum" else jnp.max(parts, axis=0)
+            x = jnp.max(parts, axis=0) if kind == "max" else jnp.sum(parts, axis=0)
         key = (kind, x.dtype.name, x.shape)
         seen = self._folds.get(key)
         self._folds[key] = x if seen is None else combine(seen, x)
@@ -104,16 +107,19 @@ class StepFlags:
         self._fold("max", jnp.where(bad, 1.0, 0.0), jnp.maximum)
 
     def add_values(self, x):
-        """Folds in x [R, D] (any float dtype)."""
-        self._fold("sum", x * jnp.zeros((), x.dtype), jnp.add)
+        """Folds in x [R, D] (any float dtype): NaN and +-inf are found."""
+        self._fold("sum", x, jnp.add)
+
+    def add_log_decays(self, g):
+        """Folds in raw log decays g [R, K]: NaN and +inf are found, -inf is not."""
+        self._fold("log_decay", g.astype(jnp.float32), jnp.add)
 
     def add_inputs(self, k, g, beta, v, q=None):
         """Folds in what `chunk_poison` and `poison` look at: non-finite raw k [C, K], beta [1, C],
         v [C, V] and q [C, K], and g [C, K] NaN or +inf (-inf is a hard reset, not poison)."""
-        for x in (k, v) + (() if q is None else (q,)):
+        for x in (k, v, beta) + (() if q is None else (q,)):
             self.add_values(x)
-        self.add_mask(~_finite(beta))
-        self.add_mask(~(g.astype(jnp.float32) < jnp.inf))
+        self.add_log_decays(g)
 
     def add_poisoned(self, poisoned):
         """Folds in poisoned columns [1, V] float32 (1: poisoned)."""
@@ -121,9 +127,12 @@ class StepFlags:
 
     def any(self):
         """Scalar bool: something folded in is non-finite or poisoned."""
-        found = [
-            jnp.max(jnp.where(_finite(x), 0.0, 1.0) if kind == "sum" else x) for (kind, _, _), x in self._folds.items()
-        ]
+        flags = {
+            "sum": lambda x: jnp.where(_finite(x), 0.0, 1.0),
+            "log_decay": lambda x: jnp.where(x < jnp.inf, 0.0, 1.0),
+            "max": lambda x: x,
+        }
+        found = [jnp.max(flags[kind](x)) for (kind, _, _), x in self._folds.items()]
         return functools.reduce(jnp.maximum, found) > 0.0
 
 
