@@ -113,6 +113,13 @@ def clean_log_decay(g):
     return jnp.where(g < jnp.inf, jnp.maximum(g, LOG_DECAY_FLOOR), 0.0)  # NaN < inf is false
 
 
+def floor_log_decay(g):
+    """Per-step log decays g [..] raised to the float32 floor only: `clean_log_decay` where g is
+    finite or -inf (a kernel's first pass over a step its flags then find finite,
+    `poison.StepFlags`)."""
+    return jnp.maximum(g.astype(F32), LOG_DECAY_FLOOR)
+
+
 def clean_log_decay_grad(g, dg):
     """The gradient with respect to raw log decays g [..] float32 of `clean_log_decay` with cotangent
     dg: 0 below the floor, dg elsewhere (zeroing non-finite entries passes the gradient through,
@@ -277,11 +284,13 @@ class Decays:
         self._totals_parts = [(hi[i : i + 1], None if lo is None else lo[i : i + 1]) for i in last]
 
     @classmethod
-    def of_steps(cls, g, sb: SubBlocks, compensated: bool = True):
+    def of_steps(cls, g, sb: SubBlocks, compensated: bool = True, clean: bool = True):
         """The decays of one chunk from its raw per-step log decays g [C, K] (any float dtype,
-        possibly non-finite or below the floor: cleaned by `clean_log_decay`); without
-        `compensated`, no low part (`local_cumsum`): `cum`, `to_end` and `total` from hi alone."""
-        hi, lo = local_cumsum(clean_log_decay(g), sb, compensated)
+        possibly non-finite or below the floor: cleaned by `clean_log_decay`; without `clean`, only
+        raised to the floor, the same for finite g); without `compensated`, no low part
+        (`local_cumsum`): `cum`, `to_end` and `total` from hi alone."""
+        steps = clean_log_decay(g) if clean else floor_log_decay(g)
+        hi, lo = local_cumsum(steps, sb, compensated)
         return cls(hi, sb, lo)
 
     def _difference(self, x_hi, x_lo, y_hi, y_lo):

@@ -34,37 +34,37 @@ from gla_core.kit import (
     row_to_column,
 )
 from gla_kda.pallas import chunk_math as cm
+from gla_kda.pallas import poison as nf
 from gla_kda.pallas.config import KernelConfig, compiler_params, head_block, token_block
 
 
 def intra_kernel(q_ref, k_ref, g_ref, beta_ref, table_ref, tinv_ref, aqk_ref, kk_ref, *, config: KernelConfig):
-    """Blocks of n chunks: q, k [n*C, K] input dtype; g [n*C, K] raw per-step log decays (cleaned
-    here, `chunk_math.clean_log_decay`); beta [n, 1, C] (non-finite entries read as 0); table:
+    """Blocks of n chunks: q, k [n*C, K] input dtype (non-finite entries read as 0); g [n*C, K] raw
+    per-step log decays (cleaned here, `chunk_math.clean_log_decay`); beta [n, 1, C] (non-finite
+    entries read as 0); table:
     gla-core's `KeyMaskTable`; outputs tinv and aqk [n*C, C] in `config.store_dtype` (every reader
     multiplies them in the matrix-unit dtype, so storing them rounded to it changes no result);
     scratch kk [n*C, C] float32.
 
     The gated products take the first form valid for the step: anchored at each chunk's middle row,
     else exact between sub-blocks and anchored inside them (`BlockedProducts`, valid for decays
-    C/s times stronger), else the exact level products; a recomputed step solves its inverses again
-    from kk. The chunks are independent; their (I + Akk)^-1 are solved together
-    (`unit_lower_inverses`, diagonal blocks of `BlockSizes.inverse_block` rows) so that their
-    serial chains interleave.
+    C/s times stronger), else the exact level products. The first pass takes q, k and g as they
+    are; a step out of the anchor range or with a non-finite q, k or g (`poison.StepFlags`) is
+    recomputed from the cleaned inputs and solves its inverses again from kk. The chunks are
+    independent; their (I + Akk)^-1 are solved together (`unit_lower_inverses`, diagonal blocks of
+    `BlockSizes.inverse_block` rows) so that their serial chains interleave.
     """
     c, n = config.blocks.chunk_size, beta_ref.shape[0]
     dtype = config.mxu_dtype
-    q = (cm.finite(q_ref[...]) * config.scale).reshape(n, c, -1)
-    k = cm.finite(k_ref[...]).astype(jnp.float32).reshape(n, c, -1)
-    a = cm.clean_log_decay(g_ref[...])
+    raw_q, raw_k, raw_g = q_ref[...], k_ref[...], g_ref[...]
 
-    def kk_and_write_aqk(products):
-        """Writes Aqk and returns the gated k k^T products kk [n, C, C] of `products`."""
+    def kk_and_write_aqk(products, q, k):
+        """Writes Aqk of q, k [n*C, K] float32 (q scaled) and returns the gated k k^T products kk
+        [n, C, C] of `products`."""
+        q, k = q.reshape(n, c, -1), k.reshape(n, c, -1)
         kk = products.scores(k, k)
         aqk_ref[...] = products.scores(q, k).reshape(n * c, c).astype(aqk_ref.dtype)
         return kk
-
-    def write_products(products):
-        kk_ref[...] = kk_and_write_aqk(products).reshape(n * c, c)
 
     def write_inverses(kk):
         """Tinv of every chunk from its gated k k^T products kk [n, C, C]."""
@@ -74,16 +74,37 @@ def intra_kernel(q_ref, k_ref, g_ref, beta_ref, table_ref, tinv_ref, aqk_ref, kk
         for i, tinv in enumerate(cm.unit_lower_inverses(akks, blocks, config.unroll, dtype)):
             tinv_ref[pl.ds(i * c, c), :] = tinv.astype(tinv_ref.dtype)
 
+    # The first pass takes q, k and g as they are (g raised to its floor), the same as cleaned where
+    # they are finite, and keeps kk in values so that the inverse overlaps the products.
+    flags = nf.StepFlags()
+    for x in (raw_q, raw_k):
+        flags.add_values(x)
+    flags.add_log_decays(raw_g)
+    q, k = raw_q.astype(jnp.float32) * config.scale, raw_k.astype(jnp.float32)
+    a = cm.floor_log_decay(raw_g)
+    again = flags.any()
     if config.anchor is None:
-        write_inverses(kk_and_write_aqk(LevelProducts(a, table_ref, c, dtype)))
-        return
-    # The first pass keeps kk in values so that the inverse overlaps the products.
-    decays = StepDecays(a, table_ref, c, config.anchor, scores_only=True)
-    write_inverses(kk_and_write_aqk(AnchoredProducts(decays, dtype)))
+        write_inverses(kk_and_write_aqk(LevelProducts(a, table_ref, c, dtype), q, k))
+    else:
+        decays = StepDecays(a, table_ref, c, config.anchor, scores_only=True)
+        write_inverses(kk_and_write_aqk(AnchoredProducts(decays, dtype), q, k))
+        again = again | jnp.logical_not(decays.in_range)
 
-    @pl.when(jnp.logical_not(decays.in_range))
+    @pl.when(again)
     def _recompute():
-        recompute_products(a, table_ref, c, config.anchor, dtype, write_products)
+        """A step with a non-finite q, k or g, or out of the anchor range: again from the cleaned
+        inputs, with the first valid of `BlockedProducts` and `LevelProducts`. libtpu's static
+        estimate charges only the first pass."""
+        clean_q, clean_k = cm.finite(raw_q) * config.scale, cm.finite(raw_k)
+        clean_a = cm.clean_log_decay(raw_g)
+
+        def write_products(products):
+            kk_ref[...] = kk_and_write_aqk(products, clean_q, clean_k).reshape(n * c, c)
+
+        if config.anchor is None:
+            write_products(LevelProducts(clean_a, table_ref, c, dtype))
+        else:
+            recompute_products(clean_a, table_ref, c, config.anchor, dtype, write_products)
         write_inverses(kk_ref[...].reshape(n, c, c))
 
 

@@ -11,11 +11,19 @@ recurrence would make non-finite is put back as NaN where the outputs are writte
 The state kernel finds, per chunk and value column, the first row of the chunk from which the
 state's column is non-finite (the chunk's *poison row*: 0 when it already is at the chunk's start,
 C when it stays finite), the initial state's non-finite columns included, and writes o with NaN
-from there on and in the rows of a non-finite q. It does so only in the grid steps that read a
-non-finite input or carry a poisoned column (`StepFlags`, after the step's o is written); every
-other step writes poison rows of C. The backward kernels poison dO in the same places
+from there on and in the rows of a non-finite q. The backward kernels poison dO in the same places
 as they read it, which is what the chain rule through `o * NaN` gives, so the gradients of a
 poisoned sequence and head carry NaN as the recurrence's own backward would.
+
+Most of that runs only in the grid steps that need it. The forward's intra-chunk and state kernels
+and the backward's gradient kernel (`intra_bwd`) walk each grid step first on the inputs as they
+are (g raised to its floor, dO not poisoned), folding what decides whether the step is finite into
+`StepFlags`: the raw inputs (forward), or the forward's poison rows and q (gradient kernel). Where
+that finds anything non-finite or poisoned, the step runs again from the states it started from,
+with the inputs cleaned and dO poisoned, and the state kernel finds its poison rows and poisons o
+(`poison_step`); every other step writes poison rows of C. Where every input is finite the cleaning
+is the identity, so the first walk's outputs stand. libtpu's static estimate charges the first walk
+only. The state-gradient kernel (`state_bwd`) cleans and poisons in every step.
 
 Poison rows are float32 [B, NT * 8, HV * V]: chunk n's row of value head j at rows 8n..8n+7
 (repeated, one (8, 128) tile per chunk and head), lanes j*V...

@@ -171,68 +171,91 @@ def state_kernel(
     def _reset():
         initial_states(None if packed else h0_ref, state_ref, poisoned_ref)
 
-    states = [state_ref[i] for i in range(heads)]
-    # Poison flags [1, V] (1: poisoned) as sequences restart; the chunks' own poison comes after.
-    poisoned = None if poisoned_ref is None else [poisoned_ref[i] for i in range(heads)]
-    poisoned_at_start = poisoned
-    step_flags = None if poisoned is None else nf.StepFlags()
-    for n in range(per_step):
-        rows = pl.ds(n * c, c)
-        if sequences is not None:
-            states, poisoned = sequences.restart_finite(n, states, poisoned)
-        # The heads' chains of dependent products go stage by stage (`wy_deltas`): the deltas, the
-        # states after the chunk, then the outputs, which no later product waits on.
-        ks, vs, betas, decays, decay = [], [], [], [], []
-        for i in range(heads):
-            keys, values = pl.ds(i * key_dim, key_dim), pl.ds(i * value_dim, value_dim)
-            if h_ref is not None:
-                h_ref[pl.ds(n * key_dim, key_dim), values] = states[i].astype(h_ref.dtype)
-            raw_k, raw_v, raw_beta, raw_g = k_ref[rows, keys], v_ref[rows, values], beta_refs[i][n], g_ref[rows, keys]
-            decays.append(cm.Decays.of_steps(raw_g, sb, config.compensated_decays))
-            decay.append(jnp.exp(decays[i].cum))
-            ks.append(cm.finite(raw_k))
-            vs.append(cm.finite(raw_v))
-            betas.append(row_to_column(cm.finite(raw_beta)))
-            if step_flags is not None:
-                step_flags.add_inputs(raw_k, raw_g, raw_beta, raw_v, None if q_ref is None else q_ref[rows, keys])
-                step_flags.add_poisoned(poisoned[i])
-                nf.write_chunk_row(poison_ref, n, values, jnp.full(poisoned[i].shape, float(c), jnp.float32))
-        tinvs = [tinv_refs[i][rows, :] for i in range(heads)]
-        decayed = [k * d for k, d in zip(ks, decay, strict=True)]
-        _, deltas = wy_deltas(decayed, vs, betas, tinvs, states, config.mxu_dtype)
-        before = list(states)
-        for i in range(heads):
-            k_to_end = ks[i] * jnp.exp(decays[i].to_end)
-            states[i] = advance_state(k_to_end, decays[i], deltas[i], states[i], config.mxu_dtype)
-        if o_ref is not None:
+    poisoned_at_start = None if poisoned_ref is None else [poisoned_ref[i] for i in range(heads)]
+
+    def walk(clean: bool, step_flags: nf.StepFlags | None):
+        """Runs the step's chunks from the carried states, writing h, o and (C) poison rows; returns
+        the states [K, V] and poisoned columns [1, V] (one per head) after the step. With `clean`,
+        non-finite k, v and g entries read as 0; without, k, v and g are taken as they are (g raised
+        to its floor), which is the same for the steps `step_flags` finds finite."""
+        states = [state_ref[i] for i in range(heads)]
+        # Poison flags [1, V] (1: poisoned) as sequences restart; the chunks' own poison comes after.
+        poisoned = poisoned_at_start
+        for n in range(per_step):
+            rows = pl.ds(n * c, c)
+            if sequences is not None:
+                states, poisoned = sequences.restart_finite(n, states, poisoned)
+            # The heads' chains of dependent products go stage by stage (`wy_deltas`): the deltas, the
+            # states after the chunk, then the outputs, which no later product waits on.
+            ks, vs, betas, decays, decay = [], [], [], [], []
             for i in range(heads):
                 keys, values = pl.ds(i * key_dim, key_dim), pl.ds(i * value_dim, value_dim)
-                o = chunk_output(q_ref[rows, keys], decay[i], before[i], aqk_refs[i][rows, :], deltas[i], config)
-                o_ref[rows, values] = o.astype(o_ref.dtype)
-        if sequences is not None:
-            sequences.keep(n, states)
-    if sequences is not None:
-        sequences.store()
-    for i in range(heads):
-        state_ref[i] = states[i]
-        if poisoned is not None:
-            poisoned_ref[i] = poisoned[i]  # no chunk poisoned a column: only restarts changed them
-    if step_flags is not None:
+                if h_ref is not None:
+                    h_ref[pl.ds(n * key_dim, key_dim), values] = states[i].astype(h_ref.dtype)
+                raw_k, raw_v, raw_beta = k_ref[rows, keys], v_ref[rows, values], beta_refs[i][n]
+                raw_g = g_ref[rows, keys]
+                decays.append(cm.Decays.of_steps(raw_g, sb, config.compensated_decays, clean=clean))
+                decay.append(jnp.exp(decays[i].cum))
+                ks.append(cm.finite(raw_k) if clean else raw_k.astype(cm.F32))
+                vs.append(cm.finite(raw_v) if clean else raw_v.astype(cm.F32))
+                betas.append(row_to_column(cm.finite(raw_beta)))
+                if step_flags is not None:
+                    step_flags.add_inputs(raw_k, raw_g, raw_beta, raw_v, None if q_ref is None else q_ref[rows, keys])
+                    step_flags.add_poisoned(poisoned[i])
+                if poison_ref is not None:
+                    nf.write_chunk_row(poison_ref, n, values, jnp.full((1, value_dim), float(c), jnp.float32))
+            tinvs = [tinv_refs[i][rows, :] for i in range(heads)]
+            decayed = [k * d for k, d in zip(ks, decay, strict=True)]
+            _, deltas = wy_deltas(decayed, vs, betas, tinvs, states, config.mxu_dtype)
+            before = list(states)
+            for i in range(heads):
+                k_to_end = ks[i] * jnp.exp(decays[i].to_end)
+                states[i] = advance_state(k_to_end, decays[i], deltas[i], states[i], config.mxu_dtype)
+            if o_ref is not None:
+                for i in range(heads):
+                    keys, values = pl.ds(i * key_dim, key_dim), pl.ds(i * value_dim, value_dim)
+                    o = chunk_output(q_ref[rows, keys], decay[i], before[i], aqk_refs[i][rows, :], deltas[i], config)
+                    o_ref[rows, values] = o.astype(o_ref.dtype)
+            if sequences is not None:
+                sequences.keep(n, states)
+        return states, poisoned
 
-        @pl.when(step_flags.any())
+    def carry(states, poisoned):
+        for i in range(heads):
+            state_ref[i] = states[i]
+            if poisoned is not None:
+                poisoned_ref[i] = poisoned[i]
+
+    if poisoned_ref is None:
+        carry(*walk(clean=True, step_flags=None))
+    else:
+        # The step on its inputs as they are; where it read or carried anything non-finite, again
+        # with them cleaned, then its poison (libtpu's static estimate charges only the first walk).
+        step_flags = nf.StepFlags()
+        states, poisoned = walk(clean=False, step_flags=step_flags)
+        found = step_flags.any()
+
+        @pl.when(jnp.logical_not(found))
+        def _finite():
+            carry(states, poisoned)  # no chunk poisoned a column: only restarts changed them
+
+        @pl.when(found)
         def _poison():
+            carry(walk(clean=True, step_flags=None)[0], None)
             flags = poison_step(
                 k_ref, g_ref, v_ref, beta_refs, q_ref, o_ref, poison_ref, poisoned_at_start, sequences, t
             )
             for i in range(heads):
                 poisoned_ref[i] = flags[i]
 
+    if sequences is not None:
+        sequences.store()
     if ht_ref is not None and not packed:
 
         @pl.when(last_ref[t * per_step + per_step - 1] == 1)
         def _final():
             for i in range(heads):
-                ht_ref[i] = states[i]
+                ht_ref[i] = state_ref[i]
 
 
 def poison_step(k_ref, g_ref, v_ref, beta_refs, q_ref, o_ref, poison_ref, flags, sequences, t):
