@@ -134,7 +134,7 @@ def intra_bwd_kernel(
         for n in range(per_step):
             rows, state_rows = pl.ds(n * c, c), pl.ds(n * key_dim, key_dim)
             if carries is not None and sequences is not None:
-                carries, _ = sequences.restart_finite(n, carries, None)
+                carries = sequences.restart(n, carries, clean=clean)
             # Stage by stage over the heads (`state.wy_deltas`): their deltas, the states after the
             # chunk (the next chunk waits on them), then the products of the gradient.
             states, ks, vs, gates, betas, tinvs = [], [], [], [], [], []

@@ -195,6 +195,14 @@ class SequenceStates:
             for i, state in enumerate(states)
         ]
 
+    def entering_started(self, j: int) -> list[jax.Array]:
+        """The entering states [K, V] (one per head) of slot j's sequence where chunk j starts one,
+        zeros elsewhere (its slot is stale there); none without entering states."""
+        entering = self._entering(j)
+        if entering is None:
+            return []
+        return [jnp.where(self._starts(j, state.shape), state, 0.0) for state in entering]
+
     def restart_finite(self, j: int, states: list[jax.Array], poisoned: list[jax.Array] | None):
         """`restart` with the entering states' non-finite entries read as 0, and the flags
         `poisoned` [1, V] (one per head, or None) restarted with them (`restart_flags`).

@@ -176,15 +176,20 @@ def state_kernel(
     def walk(clean: bool, step_flags: nf.StepFlags | None):
         """Runs the step's chunks from the carried states, writing h, o and (C) poison rows; returns
         the states [K, V] and poisoned columns [1, V] (one per head) after the step. With `clean`,
-        non-finite k, v and g entries read as 0; without, k, v and g are taken as they are (g raised
-        to its floor), which is the same for the steps `step_flags` finds finite."""
+        non-finite entries of k, v, g and packed sequences' entering states read as 0; without, they
+        are taken as they are (g raised to its floor), which is the same for the steps `step_flags`
+        finds finite."""
         states = [state_ref[i] for i in range(heads)]
         # Poison flags [1, V] (1: poisoned) as sequences restart; the chunks' own poison comes after.
         poisoned = poisoned_at_start
         for n in range(per_step):
             rows = pl.ds(n * c, c)
-            if sequences is not None:
+            if sequences is not None and clean:
                 states, poisoned = sequences.restart_finite(n, states, poisoned)
+            elif sequences is not None:
+                states = sequences.restart(n, states)
+                for entering in sequences.entering_started(n):
+                    step_flags.add_values(entering)
             # The heads' chains of dependent products go stage by stage (`wy_deltas`): the deltas, the
             # states after the chunk, then the outputs, which no later product waits on.
             ks, vs, betas, decays, decay = [], [], [], [], []
