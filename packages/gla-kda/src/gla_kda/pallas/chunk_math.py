@@ -106,6 +106,12 @@ def finite(x):
     return jnp.where(jnp.abs(x) < jnp.inf, x, 0.0)
 
 
+def input_f32(x, clean: bool):
+    """x [..] as float32: with `clean`, NaN and +-inf read as 0 (`finite`); without, as it is (a
+    kernel's first pass over a step its flags then find finite, `poison.StepFlags`)."""
+    return finite(x) if clean else x.astype(F32)
+
+
 def clean_log_decay(g):
     """Per-step log decays g [..] float32 as the chunked forms take them: raised to the float32
     floor (`gla_kda.inputs.floor_log_decay`; -inf becomes the floor), then NaN and +inf zeroed."""

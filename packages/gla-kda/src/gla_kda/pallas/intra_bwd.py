@@ -122,14 +122,15 @@ def intra_bwd_kernel(
 
         carries = [state_ref[i] for i in range(heads)]
 
-    def write(anchor_range, carries, clean: bool, step_flags: nf.StepFlags | None = None):
+    def write(anchor_range, carries, step_flags: nf.StepFlags | None = None):
         """Writes every output, the diagonal sub-blocks anchored within `anchor_range` (None: exact);
         returns the chunks' `Decays` and the carried states after the step. With `carries`, each
         head's carried state [K, V] before the step's first chunk: the states are advanced from
-        them (and kept in h_ref); without, read from h_ref. With `clean`, non-finite q, k, v and g
-        entries read as 0 and dO is poisoned as the forward poisoned o; without, the inputs are
-        taken as they are (g raised to its floor) and dO is not poisoned, the same for the steps
-        `step_flags` finds finite and unpoisoned."""
+        them (and kept in h_ref); without, read from h_ref. Without `step_flags`, non-finite q, k, v
+        and g entries read as 0 and dO is poisoned as the forward poisoned o; with them, the inputs
+        are taken as they are (g raised to its floor), dO is not poisoned and q is folded into the
+        flags: the same for the steps the flags find finite and unpoisoned."""
+        clean = step_flags is None
         products = {}
         for n in range(per_step):
             rows, state_rows = pl.ds(n * c, c), pl.ds(n * key_dim, key_dim)
@@ -145,8 +146,8 @@ def intra_bwd_kernel(
                     states.append(carries[i])
                 else:
                     states.append(h_ref[state_rows, values].astype(cm.F32))
-                ks.append(cm.finite(k_ref[rows, keys]) if clean else k_ref[rows, keys].astype(cm.F32))
-                vs.append(cm.finite(v_ref[rows, values]) if clean else v_ref[rows, values].astype(cm.F32))
+                ks.append(cm.input_f32(k_ref[rows, keys], clean))
+                vs.append(cm.input_f32(v_ref[rows, values], clean))
                 gates.append(g_ref[rows, keys])
                 betas.append(row_to_column(cm.finite(beta_refs[i][n])))
                 tinvs.append(tinv_refs[i][rows, :])
@@ -162,11 +163,11 @@ def intra_bwd_kernel(
                 do = do_ref[rows, values].astype(cm.F32)
                 if clean:
                     do = nf.poison_chunk(do, poison_ref, n, raw_q, values)
-                if step_flags is not None:
+                else:
                     step_flags.add_values(raw_q)
                 dstate = dstate_ref[state_rows, values].astype(cm.F32)
                 ddelta = ddelta_ref[rows, values].astype(cm.F32)
-                q = (cm.finite(raw_q) if clean else raw_q.astype(cm.F32)) * config.scale
+                q = cm.input_f32(raw_q, clean) * config.scale
                 products[n, i] = chunk_products(
                     q, ks[i], betas[i], tinvs[i], states[i], dstate, ddelta, do, forward, config
                 )
@@ -198,7 +199,7 @@ def intra_bwd_kernel(
     anchor_range = config.anchor
     step_flags = nf.StepFlags()
     step_flags.add_mask(poison_ref[...] < c)
-    decays, final = write(anchor_range, carries, clean=False, step_flags=step_flags)
+    decays, final = write(anchor_range, carries, step_flags)
     carry(final)
     again = step_flags.any()
     if anchor_range is not None:
@@ -210,7 +211,7 @@ def intra_bwd_kernel(
         starts = None
         if carry_states:
             starts = [h_ref[pl.ds(0, key_dim), pl.ds(i * value_dim, value_dim)] for i in range(heads)]
-        carry(write(None, starts, clean=True)[1])
+        carry(write(None, starts)[1])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -173,12 +173,13 @@ def state_kernel(
 
     poisoned_at_start = None if poisoned_ref is None else [poisoned_ref[i] for i in range(heads)]
 
-    def walk(clean: bool, step_flags: nf.StepFlags | None):
+    def walk(step_flags: nf.StepFlags | None = None):
         """Runs the step's chunks from the carried states, writing h, o and (C) poison rows; returns
-        the states [K, V] and poisoned columns [1, V] (one per head) after the step. With `clean`,
-        non-finite entries of k, v, g and packed sequences' entering states read as 0; without, they
-        are taken as they are (g raised to its floor), which is the same for the steps `step_flags`
-        finds finite."""
+        the states [K, V] and poisoned columns [1, V] (one per head) after the step. Without
+        `step_flags`, non-finite entries of k, v, g and packed sequences' entering states read as 0;
+        with them, those are taken as they are (g raised to its floor) and folded into the flags:
+        the same for the steps the flags find finite."""
+        clean = step_flags is None
         states = [state_ref[i] for i in range(heads)]
         # Poison flags [1, V] (1: poisoned) as sequences restart; the chunks' own poison comes after.
         poisoned = poisoned_at_start
@@ -186,7 +187,7 @@ def state_kernel(
             rows = pl.ds(n * c, c)
             if sequences is not None and clean:
                 states, poisoned = sequences.restart_finite(n, states, poisoned)
-            elif sequences is not None:
+            elif sequences is not None:  # entering states as they are, into the flags
                 states = sequences.restart(n, states)
                 for entering in sequences.entering_started(n):
                     step_flags.add_values(entering)
@@ -201,8 +202,8 @@ def state_kernel(
                 raw_g = g_ref[rows, keys]
                 decays.append(cm.Decays.of_steps(raw_g, sb, config.compensated_decays, clean=clean))
                 decay.append(jnp.exp(decays[i].cum))
-                ks.append(cm.finite(raw_k) if clean else raw_k.astype(cm.F32))
-                vs.append(cm.finite(raw_v) if clean else raw_v.astype(cm.F32))
+                ks.append(cm.input_f32(raw_k, clean))
+                vs.append(cm.input_f32(raw_v, clean))
                 betas.append(row_to_column(cm.finite(raw_beta)))
                 if step_flags is not None:
                     step_flags.add_inputs(raw_k, raw_g, raw_beta, raw_v, None if q_ref is None else q_ref[rows, keys])
@@ -232,12 +233,12 @@ def state_kernel(
                 poisoned_ref[i] = poisoned[i]
 
     if poisoned_ref is None:
-        carry(*walk(clean=True, step_flags=None))
+        carry(*walk())
     else:
         # The step on its inputs as they are; where it read or carried anything non-finite, again
         # with them cleaned, then its poison (libtpu's static estimate charges only the first walk).
         step_flags = nf.StepFlags()
-        states, poisoned = walk(clean=False, step_flags=step_flags)
+        states, poisoned = walk(step_flags)
         found = step_flags.any()
 
         @pl.when(jnp.logical_not(found))
@@ -246,7 +247,7 @@ def state_kernel(
 
         @pl.when(found)
         def _poison():
-            carry(walk(clean=True, step_flags=None)[0], None)
+            carry(walk()[0], None)
             flags = poison_step(
                 k_ref, g_ref, v_ref, beta_refs, q_ref, o_ref, poison_ref, poisoned_at_start, sequences, t
             )
