@@ -106,6 +106,20 @@ def test_sweep_chooses_the_fewest_cycles_per_option(tunable):
     assert "| tunable | block_v=128, num_steps=2 | 1,128 | chosen |" in report
 
 
+def test_sweep_keeps_an_option_without_effect_at_its_default(tunable):
+    """num_steps changes nothing at the default block_v=256: the sweep keeps num_steps=4 rather than
+    the first candidate 1, so block_v=128 is then tried where it gives the fewest cycles."""
+
+    def cycles(spec: dict) -> int:
+        options = spec["impl_options"][spec["impl"]]
+        return 1000 if options["block_v"] == 256 else 900 - 10 * options["num_steps"]
+
+    rows, _ = tune.sweep("simple_gla", "v6e", measure=cycles)
+    assert rows == {"tunable": {"num_steps": 4, "block_v": 128}}  # 860 cycles; 890 with num_steps=1
+    rows, _ = tune.sweep("simple_gla", "v6e", measure=lambda spec: 1)
+    assert rows == {"tunable": {"num_steps": 4, "block_v": 256}}
+
+
 def test_sweep_specs_name_the_chip_the_implementation_and_its_options(tunable):
     seen = []
     tune.sweep("simple_gla", "v5e", seq_len=512, measure=lambda spec: seen.append(spec) or 1)

@@ -4,7 +4,7 @@ For each implementation of an op that runs on TPU and declares options with `can
 option at a time (the others at their best so far, starting from the declared defaults), the
 program (the forward or the training step of `gla_core.cost.attention_problem`) is compiled for a
 compile-only device of the chip with every candidate, and the one with the smallest Pallas static
-cycles wins (ties: the earlier candidate). The winners become the chip's rows of the table of
+cycles wins (ties: the value it has, else the earlier candidate). The winners become the chip's rows of the table of
 `gla_core.tuning`. These are compiler estimates, not TPU measurements.
 """
 
@@ -91,7 +91,10 @@ def sweep(
             scored = [(cycles_of(record, {**best, option.name: value}), value) for value in option.candidates]
             compiled = [(cycles, value) for cycles, value in scored if cycles is not None]
             if compiled:
-                best[option.name] = min(compiled, key=lambda pair: pair[0])[1]
+                # On a tie the value it has stays: an option without effect in this program keeps
+                # its default, and does not hide the effect of those swept after it.
+                current = best[option.name]
+                best[option.name] = min(compiled, key=lambda pair: (pair[0], pair[1] != current))[1]
         if cycles_of(record, best) is not None:
             rows[record.name] = best
     return rows, trials
