@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax.numpy as jnp
@@ -118,6 +119,23 @@ def test_sweep_keeps_an_option_without_effect_at_its_default(tunable):
     assert rows == {"tunable": {"num_steps": 4, "block_v": 128}}  # 860 cycles; 890 with num_steps=1
     rows, _ = tune.sweep("simple_gla", "v6e", measure=lambda spec: 1)
     assert rows == {"tunable": {"num_steps": 4, "block_v": 256}}
+
+
+def test_sweep_tries_a_default_outside_the_candidates(tunable, monkeypatch):
+    """num_steps=16 is the declared default but no candidate: it is compiled too, and kept when it
+    gives the fewest cycles."""
+    record = default_registry().implementations("simple_gla")[0]
+    options = tuple(
+        dataclasses.replace(option, default=16) if option.name == "num_steps" else option for option in record.options
+    )
+    monkeypatch.setattr(tune, "tunable", lambda op: [dataclasses.replace(record, options=options)])
+
+    def cycles(spec: dict) -> int:
+        return 100 - spec["impl_options"]["tunable"]["num_steps"]
+
+    rows, trials = tune.sweep("simple_gla", "v6e", measure=cycles)
+    assert rows == {"tunable": {"num_steps": 16, "block_v": 256}}
+    assert [dict(trial.options)["num_steps"] for trial in trials][:5] == [16, 1, 2, 4, 8]
 
 
 def test_sweep_specs_name_the_chip_the_implementation_and_its_options(tunable):

@@ -3,9 +3,10 @@
 For each implementation of an op that runs on TPU and declares options with `candidates`, one
 option at a time (the others at their best so far, starting from the declared defaults), the
 program (the forward or the training step of `gla_core.cost.attention_problem`) is compiled for a
-compile-only device of the chip with every candidate, and the one with the smallest Pallas static
-cycles wins (ties: the value it has, else the earlier candidate). The winners become the chip's rows of the table of
-`gla_core.tuning`. These are compiler estimates, not TPU measurements.
+compile-only device of the chip with every candidate and the value the option has, and the one with
+the smallest Pallas static cycles wins (ties: the value it has, else the earlier candidate). The
+winners become the chip's rows of the table of `gla_core.tuning`. These are compiler estimates, not
+TPU measurements.
 """
 
 from __future__ import annotations
@@ -87,13 +88,14 @@ def sweep(
 
     for record in tunable(op):
         best = {option.name: option.default for option in record.options}
-        for option in record.options:
-            scored = [(cycles_of(record, {**best, option.name: value}), value) for value in option.candidates]
+        for option in (option for option in record.options if option.candidates):
+            current = best[option.name]
+            values = option.candidates if current in option.candidates else (current, *option.candidates)
+            scored = [(cycles_of(record, {**best, option.name: value}), value) for value in values]
             compiled = [(cycles, value) for cycles, value in scored if cycles is not None]
             if compiled:
                 # On a tie the value it has stays: an option without effect in this program keeps
                 # its default, and does not hide the effect of those swept after it.
-                current = best[option.name]
                 best[option.name] = min(compiled, key=lambda pair: (pair[0], pair[1] != current))[1]
         if cycles_of(record, best) is not None:
             rows[record.name] = best
