@@ -102,7 +102,8 @@ def test_sweep_chooses_the_fewest_cycles_per_option(tunable):
     assert rows == {"tunable": {"num_steps": 2, "block_v": 128}}
     failed = [trial for trial in trials if trial.cycles is None]
     assert [dict(trial.options)["num_steps"] for trial in failed] == [8] and "VMEM exhausted" in failed[0].error
-    assert len({trial.options for trial in trials}) == len(trials)  # every program compiled once
+    assert len({(trial.options, trial.stage) for trial in trials}) == len(trials)  # every program compiled once
+    assert [(dict(trial.options), trial.stage) for trial in trials][-1] == ({"num_steps": 2, "block_v": 128}, "fwd")
     report = tune.render("simple_gla", "v6e", rows, trials)
     assert "| tunable | block_v=128, num_steps=2 | 1,128 | chosen |" in report
 
@@ -136,6 +137,22 @@ def test_sweep_tries_a_default_outside_the_candidates(tunable, monkeypatch):
     rows, trials = tune.sweep("simple_gla", "v6e", measure=cycles)
     assert rows == {"tunable": {"num_steps": 16, "block_v": 256}}
     assert [dict(trial.options)["num_steps"] for trial in trials][:5] == [16, 1, 2, 4, 8]
+
+
+def test_sweep_writes_no_row_whose_choice_does_not_compile_the_other_stage(tunable):
+    """The training step is fastest at num_steps=8, whose forward does not compile: no row."""
+
+    def cycles(spec: dict) -> int:
+        num_steps = spec["impl_options"]["tunable"]["num_steps"]
+        if spec["stage"] == "fwd" and num_steps == 8:
+            raise RuntimeError("scoped VMEM exhausted")
+        return 100 - num_steps
+
+    rows, trials = tune.sweep("simple_gla", "v6e", stage="train", measure=cycles)
+    assert rows == {}
+    (check,) = [trial for trial in trials if trial.stage is not None]
+    assert check.stage == "fwd" and check.cycles is None and "scoped VMEM" in check.error
+    assert "| fwd check |" in tune.render("simple_gla", "v6e", rows, trials)
 
 
 def test_sweep_specs_name_the_chip_the_implementation_and_its_options(tunable):

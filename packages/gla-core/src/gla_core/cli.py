@@ -215,7 +215,8 @@ def command_tune(args: argparse.Namespace) -> int:
 
     def report(trial) -> None:
         cycles = f"{trial.cycles:,} cycles" if trial.cycles is not None else f"failed: {trial.error}"
-        print(f"  {trial.implementation} {dict(trial.options)}: {cycles}", file=sys.stderr, flush=True)
+        check = f" ({trial.stage} check)" if trial.stage else ""
+        print(f"  {trial.implementation} {dict(trial.options)}{check}: {cycles}", file=sys.stderr, flush=True)
 
     shape = dict(batch=args.batch, seq_len=args.seq_len, heads=args.heads, stage=args.stage)
     rows, trials = tune.sweep(args.op, args.chip, progress=report, **shape)

@@ -21,12 +21,14 @@ from gla_core.registry import default_registry
 @dataclasses.dataclass(frozen=True)
 class Trial:
     """One compiled candidate: its implementation and options, and the Pallas static cycles of the
-    program (None when the compile failed, with the error)."""
+    program (None when the compile failed, with the error); `stage` names the program when it is not
+    the swept one (the check that the chosen options compile the other stage too)."""
 
     implementation: str
     options: tuple[tuple[str, Any], ...]
     cycles: int | None
     error: str = ""
+    stage: str | None = None
 
 
 def tunable(op: str) -> list:
@@ -69,18 +71,24 @@ def sweep(
     """Coordinate search of every tunable implementation of `op` on `chip`.
 
     Returns (the best options per implementation, every trial in order). `measure(spec)` gives the
-    cycles of a trial's program and raises when it does not compile.
+    cycles of a trial's program and raises when it does not compile. The options chosen for `stage`
+    must compile the other stage too (some options act in one of them only, e.g. the forward-only
+    kernels' chunks per step): an implementation whose choice does not gets no row.
     """
     rows, trials, cache = {}, [], {}
+    other_stage = "fwd" if stage == "train" else "train"
 
-    def cycles_of(record, options: dict) -> int | None:
-        key = (record.name, tuple(sorted(options.items())))
+    def cycles_of(record, options: dict, program: str = stage) -> int | None:
+        key = (record.name, tuple(sorted(options.items())), program)
         if key not in cache:
-            spec = program_spec(op, chip, record.name, options, batch=batch, seq_len=seq_len, heads=heads, stage=stage)
+            spec = program_spec(
+                op, chip, record.name, options, batch=batch, seq_len=seq_len, heads=heads, stage=program
+            )
+            checked = None if program == stage else program
             try:
-                trial = Trial(record.name, key[1], int(measure(spec)))
+                trial = Trial(record.name, key[1], int(measure(spec)), stage=checked)
             except Exception as error:  # a candidate that does not compile loses; the sweep goes on
-                trial = Trial(record.name, key[1], None, f"{type(error).__name__}: {error}")
+                trial = Trial(record.name, key[1], None, f"{type(error).__name__}: {error}", stage=checked)
             cache[key] = trial.cycles
             trials.append(trial)
             progress(trial)
@@ -97,7 +105,7 @@ def sweep(
                 # On a tie the value it has stays: an option without effect in this program keeps
                 # its default, and does not hide the effect of those swept after it.
                 best[option.name] = min(compiled, key=lambda pair: (pair[0], pair[1] != current))[1]
-        if cycles_of(record, best) is not None:
+        if cycles_of(record, best) is not None and cycles_of(record, best, other_stage) is not None:
             rows[record.name] = best
     return rows, trials
 
@@ -112,9 +120,10 @@ def render(op: str, chip: str, rows: dict, trials: list[Trial], clock_hz: float 
     ]
     for trial in trials:
         options = ", ".join(f"{name}={value}" for name, value in trial.options)
-        chosen = rows.get(trial.implementation) == dict(trial.options)
+        chosen = rows.get(trial.implementation) == dict(trial.options) and trial.stage is None
         cycles = f"{trial.cycles:,}" if trial.cycles is not None else f"failed: {trial.error[:80]}"
         if trial.cycles is not None and clock_hz:
             cycles += f" ({trial.cycles / clock_hz * 1e6:.1f} us)"
-        lines.append(f"| {trial.implementation} | {options} | {cycles} | {'chosen' if chosen else ''} |")
+        mark = "chosen" if chosen else (f"{trial.stage} check" if trial.stage else "")
+        lines.append(f"| {trial.implementation} | {options} | {cycles} | {mark} |")
     return "\n".join(lines)
