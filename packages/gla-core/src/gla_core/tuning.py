@@ -5,12 +5,10 @@ chip -> op -> implementation -> {option: value}. An option a call does not set t
 of the table for the chip the call is traced for (`target_chip`), else the option's own default
 (`gla_core.options.Option.default`). Chips without rows of their own borrow those of a close
 relative (`BORROWED_FROM`); `explain` says which table a value came from. v7x borrows v6e's
-rows until it is swept itself; v5e borrows them too: libtpu (0.10.2's) aborts while writing the
-static profile of these kernels for v5e (an LLO type check on a bfloat16 unpack), so v5e cannot
-be swept by static estimate here (its compiles, without the profile, are checked by the
-tpu_compile tests with the borrowed values). The one v5e row of its own, kda's `chunk`, is set
-by hand to fit v5e's 16 MiB default scoped VMEM: v6e's 8 chunks of 128 per grid step reserve
-~18 MiB in kda_state, so v5e takes 4 (the other values are v6e's). v6e's fused_chunk
+rows until it is swept itself; v5e borrows v6e's rows of every implementation it has none for
+(gla and simple_gla): their v5e sweeps at `gla tune`'s shape chose values that lose at the cost
+report's shapes. v5e's kda `chunk` row is `gla tune`'s, but for intra_chunks_per_step, which the
+sweep could not tell apart at its shape (8 chunks per head) and which takes 16 as on v6e. v6e's fused_chunk
 `block_tokens` of 512 is set by hand too: the sweep that wrote its row could not compile 512
 (the kernels' scoped VMEM limit did not count their [C, C] temporaries, see
 `gla_fused.fused_chunk.forward.sequential_in_time_params`); with the limit counting them, 512
