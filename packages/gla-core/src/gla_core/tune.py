@@ -79,16 +79,17 @@ def sweep(
     other_stage = "fwd" if stage == "train" else "train"
 
     def cycles_of(record, options: dict, program: str = stage) -> int | None:
-        key = (record.name, tuple(sorted(options.items())), program)
+        settings = tuple(sorted(options.items()))
+        key = (record.name, settings, program)
         if key not in cache:
             spec = program_spec(
                 op, chip, record.name, options, batch=batch, seq_len=seq_len, heads=heads, stage=program
             )
             checked = None if program == stage else program
             try:
-                trial = Trial(record.name, key[1], int(measure(spec)), stage=checked)
+                trial = Trial(record.name, settings, int(measure(spec)), stage=checked)
             except Exception as error:  # a candidate that does not compile loses; the sweep goes on
-                trial = Trial(record.name, key[1], None, f"{type(error).__name__}: {error}", stage=checked)
+                trial = Trial(record.name, settings, None, f"{type(error).__name__}: {error}", stage=checked)
             cache[key] = trial.cycles
             trials.append(trial)
             progress(trial)

@@ -8,8 +8,8 @@ relative (`BORROWED_FROM`); `explain` says which table a value came from. v7x bo
 rows until it is swept itself; v5e borrows v6e's rows of every implementation it has none for
 (gla and simple_gla): their v5e sweeps at `gla tune`'s shape chose values that lose at the cost
 report's shapes. v5e's kda `chunk` row is `gla tune`'s, but for intra_chunks_per_step, which the
-sweep could not tell apart at its shape (8 chunks per head) and which takes 16 as on v6e. v6e's fused_chunk
-`block_tokens` of 512 is set by hand too: the sweep that wrote its row could not compile 512
+sweep could not tell apart at its shape (8 chunks per head) and which takes 16 as on v6e.
+v6e's fused_chunk `block_tokens` of 512 is set by hand too: the sweep that wrote its row could not compile 512
 (the kernels' scoped VMEM limit did not count their [C, C] temporaries, see
 `gla_fused.fused_chunk.forward.sequential_in_time_params`); with the limit counting them, 512
 beats 256 on every simple_gla program of the cost report (v6e static estimate over the floor,
