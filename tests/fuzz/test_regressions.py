@@ -202,9 +202,11 @@ ORACLE_CASES = [
             seed=29,
         ),
     ),
-    # One varlen sequence ending before the row's last chunk (the layout pads the row to
-    # cdiv(T + N (C - 1), C) chunks): a grid step of several chunks must still emit its final state
-    # (and start its state gradient) there, not only at the step's last chunk.
+    # One varlen sequence ending before the row's last chunk: a grid step of several chunks must
+    # still emit its final state (and start its state gradient) there, not only at the step's last
+    # chunk. Found with one sequence, when the layout padded even that to cdiv(T + C - 1, C) chunks.
+    # The layout holds the worst case of N sequences, (T + N (C - 1)) // C chunks, which one sequence
+    # fills: an empty second sequence makes the row a chunk longer than the sequence.
     _case(
         "one-sequence-ends-inside-a-step",
         "kda-chunk",
@@ -215,7 +217,7 @@ ORACLE_CASES = [
             value_dim=74,
             dtype="bfloat16",
             chunk_size=32,
-            cu_seqlens=(0, 44),
+            cu_seqlens=(0, 44, 44),
             initial_state=True,
             output_final_state=True,
             use_gate_in_kernel=True,
@@ -235,7 +237,7 @@ ORACLE_CASES = [
             dtype="bfloat16",
             chunk_size=16,
             gates=("g", "g_gamma"),
-            cu_seqlens=(0, 42),
+            cu_seqlens=(0, 42, 42),
             initial_state=True,
             output_final_state=True,
             seed=18,
@@ -250,7 +252,7 @@ ORACLE_CASES = [
             key_dim=40,
             value_dim=24,
             chunk_size=16,
-            cu_seqlens=(0, 42),
+            cu_seqlens=(0, 42, 42),
             initial_state=True,
             output_final_state=True,
             seed=18,

@@ -59,6 +59,23 @@ def test_layout_matches_python_construction(boundaries, chunk, step_chunks):
 
 
 @pytest.mark.parametrize(
+    ("total", "sequences", "chunk"), [(8192, 4, 128), (8192, 4, 64), (150, 3, 16), (7, 3, 16), (3, 5, 4)]
+)
+def test_padded_chunks_is_the_worst_case_of_any_boundaries(total, sequences, chunk):
+    """Never fewer chunks than any partition takes, and exactly as many as its worst one: N - 1
+    sequences of one token and one of the rest (with fewer tokens, one token per sequence)."""
+    rng = np.random.default_rng(0)
+    bound = num_padded_chunks(total, sequences, chunk)
+    for _ in range(200):
+        cuts = np.sort(rng.integers(0, total + 1, sequences - 1))
+        lengths = np.diff(np.concatenate([[0], cuts, [total]]))
+        assert sum(-(-int(n) // chunk) for n in lengths) <= bound
+    ones = min(sequences - 1, total)
+    worst = ones + -(-(total - ones) // chunk)
+    assert bound == max(1, worst)
+
+
+@pytest.mark.parametrize(
     ("num_chunks", "step_chunks", "expected"),
     [(68, 8, 72), (64, 8, 64), (65, 8, 72), (66, 16, 70), (6, 8, 6), (7, 1, 7), (1, 4, 1), (17, 4, 20)],
 )

@@ -7,7 +7,7 @@ layout of `num_chunks` chunks where each sequence starts on a chunk boundary:
     packed   | s0 s0 s0 s0 s0 | s1 s1 | s2 ...            (T tokens)
     padded   | s0 s0 s0 s0 | s0 -- -- -- | s1 s1 -- -- | s2 ...   (num_chunks * C slots)
 
-`num_chunks` is `cdiv(T + N * (C - 1), C)`, the worst case of any boundaries, rounded up so that
+`num_chunks` is `(T + N * (C - 1)) // C` (at most T), the worst case of any boundaries, rounded up so that
 it splits evenly into the fewest grid steps of at most the kernels' chunks per step
 (`even_step_chunks`). It depends only on T, N, C and that step size, never on the
 boundaries, so under `jax.jit` changing only the boundaries does not recompile. Chunks
@@ -81,9 +81,13 @@ class ChunkLayout:
 
 
 def num_padded_chunks(total_len: int, num_sequences: int, chunk_size: int, step_chunks: int = 1) -> int:
-    """Upper bound on sum(ceil(len_n / C)) over any partition of T tokens into N sequences, rounded
-    up for grid steps of at most `step_chunks` chunks (`even_step_chunks`)."""
-    worst = max(1, -(-(total_len + num_sequences * (chunk_size - 1)) // chunk_size))
+    """The most chunks, sum(ceil(len_n / C)), any partition of T tokens into N sequences takes, rounded
+    up for grid steps of at most `step_chunks` chunks (`even_step_chunks`).
+
+    Each ceil(len_n / C) is at most (len_n + C - 1) / C, so the sum is at most (T + N (C - 1)) / C and,
+    being whole, at most its floor; N - 1 sequences of one token and one of the rest take exactly
+    that many. With fewer tokens than N - 1 the worst is one chunk per token."""
+    worst = max(1, min(total_len, (total_len + num_sequences * (chunk_size - 1)) // chunk_size))
     return even_step_chunks(worst, step_chunks)
 
 

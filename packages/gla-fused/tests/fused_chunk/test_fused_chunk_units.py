@@ -10,6 +10,7 @@ import pytest
 import gla_core
 from gla_core.errors import InvalidArgumentError
 from gla_fused.fused_chunk import impl
+from gla_fused.fused_chunk.pipeline import FusedConfig
 from gla_fused.fused_chunk.steps import largest_divisor_at_most
 
 
@@ -141,3 +142,27 @@ def test_bad_fused_chunk_options_are_rejected(options, message):
     (q, k, v), g = _structs()
     with gla_core.use(backend="tpu"), pytest.raises(InvalidArgumentError, match=message):
         gla_core.explain("simple_gla", q, k, v, g=g, impl_options={"fused_chunk": options})
+
+
+@pytest.mark.parametrize(
+    ("seq_len", "sequences", "chunk", "block_tokens", "steps"),
+    [(8192, 4, 256, 512, 18), (8192, 4, 128, 512, 17), (150, 7, 16, 64, 4), (150, 7, 16, 48, 5), (44, 1, 32, 64, 1)],
+)
+def test_packed_layout_fills_whole_grid_steps(seq_len, sequences, chunk, block_tokens, steps):
+    """A packed row's chunk layout is as long as the tokens the kernels walk, and splits into the
+    fewest grid steps of at most `block_tokens` (its worst case rounded up, `even_step_chunks`)."""
+    q = jnp.zeros((1, seq_len, 2, 32), jnp.float32)
+    config = FusedConfig.create(
+        q,
+        q,
+        scale=None,
+        output_final_state=False,
+        interpret=True,
+        kernel_chunk=chunk,
+        block_tokens=block_tokens,
+        num_sequences=sequences,
+    )
+    cu_seqlens = jnp.linspace(0, seq_len, sequences + 1).astype(jnp.int32)
+    layout = config.layout(cu_seqlens)
+    assert layout.num_chunks * chunk == config.padded_len
+    assert config.padded_len // config.block_tokens == steps and config.block_tokens <= block_tokens

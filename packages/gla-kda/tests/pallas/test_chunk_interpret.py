@@ -78,10 +78,10 @@ CASES = {
     "state_3_heads_per_step_2_time_steps_batch2_h0_ht": dict(
         batch=2, seq_len=160, num_heads=6, chunk_size=16, initial_state=True, output_final_state=True
     ),
-    # Packed sequences: 14 chunks of 16 (the worst case 13 rounded up to two steps of 7), so one
+    # Packed sequences: 12 chunks of 16 (the worst case, two steps of 6; 11 hold tokens), so one
     # sequence ends and the next starts inside a grid step of the state kernels (their states move
     # by DMA); 4 heads per step forward, 2 in the reverse and the gradient kernels (which
-    # `test_gradient_kernel_steps_hold_sequence_edges` runs at 7 chunks per step as well).
+    # `test_gradient_kernel_steps_hold_sequence_edges` runs at 6 chunks per step as well).
     "state_4_heads_per_step_varlen_h0_ht": dict(
         seq_len=150,
         num_heads=4,
@@ -111,17 +111,19 @@ def test_heads_per_step():
 
 
 def test_packed_state_steps_hold_sequence_edges():
-    """The packed case above has 14 chunks of 16, walked 7 per grid step: sequence 0 (chunks 0-1)
-    ends and sequence 2 (chunks 2-10) starts inside the first step."""
+    """The packed case above has 12 chunks of 16, walked 6 per grid step: sequence 0 (chunks 0-1)
+    ends and sequence 2 (chunks 2-10) starts inside the first step, and the second ends on a padding
+    chunk."""
     blocks = BlockSizes.for_chunk(16)
     num_chunks = num_padded_chunks(150, 3, 16, blocks.chunks_per_step)
-    assert (num_chunks, blocks.per_step(num_chunks)) == (14, 7)
+    assert (num_chunks, blocks.per_step(num_chunks)) == (12, 6)
 
 
 def test_gradient_kernel_steps_hold_sequence_edges(chunk_runner):
-    """The packed case above with 7 chunks per step of the gradient kernel, 2 value heads each:
-    sequence 0 ends and sequence 2 starts inside its first grid step, so both heads' carried
-    states restart from h0 mid-step (`SequenceStates.restart_finite`)."""
+    """The packed case above with 6 chunks per step of the gradient kernel (7 asked for: the largest
+    divisor of 12 not above it), 2 value heads each: sequence 0 ends and sequence 2 starts inside its
+    first grid step, so both heads' carried states restart from h0 mid-step
+    (`SequenceStates.restart_finite`)."""
     case = make_case("kda", **CASES["state_4_heads_per_step_varlen_h0_ht"])
     check_against_oracle(chunk_runner(case, dict(grad_chunks_per_step=7)), case)
 

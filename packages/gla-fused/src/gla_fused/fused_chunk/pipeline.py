@@ -98,7 +98,7 @@ class FusedConfig:
         `num_sequences`: N for a packed varlen call."""
         batch, seq_len, num_heads, key_dim = q.shape
         arrays = dict(q=q, v=v, **arrays)
-        walked = kernel_len(seq_len, kernel_chunk, num_sequences)
+        walked = kernel_len(seq_len, kernel_chunk, num_sequences, max(1, block_tokens // kernel_chunk))
         return cls(
             batch=batch,
             seq_len=seq_len,
@@ -133,11 +133,21 @@ class FusedConfig:
     @property
     def padded_len(self) -> int:
         """Tokens the kernels walk per batch row (`kernel_len` rounded up to the grid step)."""
-        return round_up(kernel_len(self.seq_len, self.kernel_chunk, self.num_sequences), self.block_tokens)
+        walked = kernel_len(self.seq_len, self.kernel_chunk, self.num_sequences, self.block_chunks)
+        return round_up(walked, self.block_tokens)
+
+    @property
+    def block_chunks(self) -> int:
+        """Chunks per grid step. A packed row's padded chunk count, rounded for steps of at most this
+        many, is the one `create` rounded for the steps it was asked for (`even_step_chunks`)."""
+        return self.block_tokens // self.kernel_chunk
 
     def layout(self, cu_seqlens) -> ChunkLayout | None:
-        """The padded per-sequence chunk layout of a varlen call (None for fixed length)."""
-        return build_chunk_layout(cu_seqlens, self.seq_len, self.kernel_chunk) if self.varlen else None
+        """The padded per-sequence chunk layout of a varlen call (None for fixed length), of
+        `padded_len` tokens."""
+        if not self.varlen:
+            return None
+        return build_chunk_layout(cu_seqlens, self.seq_len, self.kernel_chunk, self.block_chunks)
 
     @property
     def padded_heads(self) -> int:
@@ -200,10 +210,13 @@ class FusedResiduals:
     float32_gate_grad: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
-def kernel_len(seq_len: int, chunk: int, num_sequences: int | None) -> int:
+def kernel_len(seq_len: int, chunk: int, num_sequences: int | None, step_chunks: int = 1) -> int:
     """Tokens of a batch row in the kernels' time layout: T, or for N packed sequences their padded
-    per-sequence chunk layout (`gla_core.kit.num_padded_chunks` chunks of C)."""
-    return seq_len if num_sequences is None else num_padded_chunks(seq_len, num_sequences, chunk) * chunk
+    per-sequence chunk layout (`gla_core.kit.num_padded_chunks` chunks of C, rounded up to split
+    evenly into grid steps of at most `step_chunks` chunks)."""
+    if num_sequences is None:
+        return seq_len
+    return num_padded_chunks(seq_len, num_sequences, chunk, step_chunks) * chunk
 
 
 def _gate_rows(config: FusedConfig, g, g_gamma, layout: ChunkLayout | None):
