@@ -14,9 +14,9 @@ v6e's fused_chunk `block_tokens` of 512 is set by hand too: the sweep that wrote
 `gla_fused.fused_chunk.forward.sequential_in_time_params`); with the limit counting them, 512
 beats 256 on every simple_gla program of the cost report (v6e static estimate over the floor,
 B=2 T=4096 H=16: g 1.80 -> 1.59 forward, 2.79 -> 2.71 training; g_gamma 1.81 -> 1.59, 2.83 -> 2.74;
-packed 4 sequences in T=8192: 1.87 -> 1.74, 3.07 -> 2.98). v6e's kda `chunk` gradient kernel
-counts (4 value heads, 1 chunk per grid step) are set by hand since its heads' products are issued
-stage by stage (`gla_kda.pallas.config.DEFAULT_GRAD_HEADS_PER_STEP`).
+packed 4 sequences in T=8192: 1.87 -> 1.74, 3.07 -> 2.98). v6e's kda `chunk` row is the choice of
+`gla tune kda --chip v6e -T 2048 -H 8` (16 chunks per head, so the chunk counts per step up to 16 are
+told apart).
 """
 
 from __future__ import annotations

@@ -29,26 +29,12 @@ DEFAULTS = {
     "state_grad_heads_per_step": 2,
     "grad_heads_per_step": 2,
 }
-# v6e's row (v7x borrows it): chunks of 128, the gradient kernel at 4 value heads and 1 chunk per step.
-V6E_ROW = {
-    "kernel_chunk": 128,
-    "anchor_range": None,
-    "chunks_per_step": 8,
-    "intra_chunks_per_step": 16,
-    "grad_chunks_per_step": 1,
-    "state_heads_per_step": 4,
-    "state_grad_heads_per_step": 2,
-    "grad_heads_per_step": 4,
-}
-# v5e's own row (`gla tune kda --chip v5e`, 841fb09; intra_chunks_per_step kept at 16): 2 value heads and
-# 2 chunks per grid step of the gradient kernel, 4 value heads per step of the state gradient. The kernels
-# set their own scoped VMEM limit; `test_chunk_tpu_compile.py` compiles this row for v5e.
-V5E_ROW = {
-    **V6E_ROW,
-    "grad_heads_per_step": 2,
-    "grad_chunks_per_step": 2,
-    "state_grad_heads_per_step": 4,
-}
+# v6e's row (v7x borrows it; `gla tune kda --chip v6e -T 2048 -H 8`): chunks of 128, else the defaults.
+V6E_ROW = {**DEFAULTS, "kernel_chunk": 128}
+# v5e's own row (`gla tune kda --chip v5e`, 841fb09; intra_chunks_per_step kept at 16): 4 value heads per
+# grid step of the state gradient. The kernels set their own scoped VMEM limit; `test_chunk_tpu_compile.py`
+# compiles this row for v5e.
+V5E_ROW = {**V6E_ROW, "state_grad_heads_per_step": 4}
 
 
 def _kwargs() -> dict:

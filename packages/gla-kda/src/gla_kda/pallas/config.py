@@ -43,9 +43,10 @@ DEFAULT_STATE_GRAD_HEADS_PER_STEP = 2
 # Value heads and chunks per grid step of the per-chunk gradient kernel (`intra_bwd`): the heads'
 # carried state chains interleave as in the state kernels. v6e static estimate of the kernel in
 # the training step at B=1 T=2048 H=4 (chunks of 128), heads x chunks: 2 x 2 87.5k cycles,
-# 4 x 1 81.5k, 4 x 2 102.0k, 1 x 4 98.7k; at H=8, 8 x 1 229.5k against 164.2k at 4 x 1. v6e's
-# table (`gla_core.tuning`) takes 4 x 1; these defaults, 2 x 2, keep a chunk-to-chunk carry in
-# each grid step where no table applies (interpret mode).
+# 4 x 1 81.5k, 4 x 2 102.0k, 1 x 4 98.7k; at H=8, 8 x 1 229.5k against 164.2k at 4 x 1. At the
+# cost report's shapes 2 x 2 and 4 x 1 tie on fixed-length rows (B=2 T=4096 H=16: 1,238,921 against
+# 1,233,296 cycles; B=1 T=8192 H=32: 2,456,203 against 2,434,707) and 2 x 2 wins on a packed row of
+# 4 sequences in T=8192, H=16 (1,379,146 against 1,474,741); both chips' tables take 2 x 2.
 DEFAULT_GRAD_HEADS_PER_STEP = 2
 DEFAULT_GRAD_CHUNKS_PER_STEP = 2
 
