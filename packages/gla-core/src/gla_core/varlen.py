@@ -96,9 +96,9 @@ def even_step_chunks(num_chunks: int, step_chunks: int) -> int:
     `step_chunks` chunks each (fewer than one padding chunk per step).
 
     The kernels take a divisor of the chunk count per grid step, and the worst case of packed
-    sequences is often a poor one (T / C + N: 68 chunks at T = 8192, C = 128, N = 4, 4 per step
-    for a step size of 8). Each grid step costs a fixed overhead and overlaps less of its work, so
-    17 steps of 4 chunks take longer than 9 steps of 8 with 4 padding chunks.
+    sequences is often a poor one (T / C + N - 1: 67 chunks at T = 8192, C = 128, N = 4, a prime:
+    one chunk per step). Each grid step costs a fixed overhead and overlaps less of its work, so
+    67 steps of one chunk (or 17 of 4) take longer than 9 steps of 8 with 5 padding chunks.
     """
     steps = -(-num_chunks // step_chunks)
     return steps * -(-num_chunks // steps)
