@@ -139,6 +139,19 @@ def test_sweep_tries_a_default_outside_the_candidates(tunable, monkeypatch):
     assert [dict(trial.options)["num_steps"] for trial in trials][:5] == [16, 1, 2, 4, 8]
 
 
+@pytest.mark.parametrize(("chip", "kept"), [("v6e", 8), ("v7x", 8), ("v5e", 2)])
+def test_sweep_starts_from_the_chips_table_row(tunable, table, chip, kept):
+    """num_steps 2 and 8 tie: the sweep keeps the value the chip's row (own or borrowed) gives it, and
+    compiles that row first."""
+
+    def cycles(spec: dict) -> int:
+        return 100 if spec["impl_options"]["tunable"]["num_steps"] in (2, 8) else 200
+
+    rows, trials = tune.sweep("simple_gla", chip, measure=cycles)
+    assert rows == {"tunable": {"num_steps": kept, "block_v": 256}}
+    assert dict(trials[0].options) == {"num_steps": kept, "block_v": 256}
+
+
 def test_sweep_writes_no_row_whose_choice_does_not_compile_the_other_stage(tunable):
     """The training step is fastest at num_steps=8, whose forward does not compile: no row."""
 

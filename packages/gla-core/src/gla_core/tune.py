@@ -1,12 +1,12 @@
 """`gla tune`: every TPU implementation's tuning options for one chip, by libtpu's static estimate.
 
 For each implementation of an op that runs on TPU and declares options with `candidates`, one
-option at a time (the others at their best so far, starting from the declared defaults), the
-program (the forward or the training step of `gla_core.cost.attention_problem`) is compiled for a
-compile-only device of the chip with every candidate and the value the option has, and the one with
-the smallest Pallas static cycles wins (ties: the value it has, else the earlier candidate). The
-winners become the chip's rows of the table of `gla_core.tuning`. These are compiler estimates, not
-TPU measurements.
+option at a time (the others at their best so far, starting from the values calls on the chip take
+today: its table row, its own or borrowed, over the declared defaults), the program (the forward or
+the training step of `gla_core.cost.attention_problem`) is compiled for a compile-only device of the
+chip with the value the option has and every other candidate, and the one with the smallest Pallas
+static cycles wins (ties: the value it has, else the earlier candidate). The winners become the
+chip's rows of the table of `gla_core.tuning`. These are compiler estimates, not TPU measurements.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from gla_core import tuning
 from gla_core.registry import default_registry
 
 
@@ -57,6 +58,16 @@ def static_cycles(spec: dict) -> int:
     return profile_by_kernel(spec).pallas_cycles
 
 
+def starting_options(op: str, record, chip: str) -> dict[str, Any]:
+    """The options a call of `record` on `chip` takes without options of its own: the declared
+    defaults, with the chip's table row (its own or borrowed, `gla_core.tuning.tuned_defaults`) over
+    them. The sweep starts there, so its choice never loses to them at its shape when they compile (a
+    tie keeps them)."""
+    options = {option.name: option.default for option in record.options}
+    table, _ = tuning.tuned_defaults(op, record.name, chip)
+    return {**options, **{name: value for name, value in table.items() if name in options}}
+
+
 def sweep(
     op: str,
     chip: str,
@@ -96,10 +107,10 @@ def sweep(
         return cache[key]
 
     for record in tunable(op):
-        best = {option.name: option.default for option in record.options}
+        best = starting_options(op, record, chip)
         for option in (option for option in record.options if option.candidates):
             current = best[option.name]
-            values = option.candidates if current in option.candidates else (current, *option.candidates)
+            values = (current, *(value for value in option.candidates if value != current))
             scored = [(cycles_of(record, {**best, option.name: value}), value) for value in values]
             compiled = [(cycles, value) for cycles, value in scored if cycles is not None]
             if compiled:
