@@ -122,6 +122,38 @@ def test_cost_measures_the_chosen_problems_and_writes_report_and_rows(monkeypatc
     assert output.with_suffix(".json").exists()
 
 
+def test_cost_peers_only_measures_the_peers_beside_their_problem_and_keeps_our_rows(monkeypatch, tmp_path):
+    from gla_core import cost_measure, cost_store
+
+    calls = {}
+
+    def measure(problems, chips, **options):
+        calls.update(problems=[p.label for p in problems], **options)
+        problem = next(p for p in problems if p.label in options["peered"])
+        row = cost_measure.ProgramRow(problem.spec, problem.label, "fwd", "v6e", "atomic_ops", True, 1.9e9)
+        return {"v6e": 1.9e9}, [dataclasses.replace(row, argument_bytes=2**27, output_bytes=2**27)]
+
+    monkeypatch.setattr(cli, "_require", lambda *args: None)
+    monkeypatch.setattr(cost_measure, "measure", measure)
+    monkeypatch.setattr("gla_core.cost_decode.measure_decode", lambda *args: pytest.fail("decode measured"))
+    label = "B=2 T=4096 H=16 K=V=128 bf16, h0/ht"
+    ours = cost_measure.ProgramRow({"op": "kda"}, label, "fwd", "v6e", "chunk", False, 1.9e9)
+    ours = dataclasses.replace(ours, argument_bytes=2**27, output_bytes=2**27)
+    output = tmp_path / "tpu-cost.md"
+    cost_store.save(cost_store.Stored({"v6e": 1.9e9}, (ours,), ()), cost_store.json_path(str(output)))
+    assert cli.main(["cost", "--op", "kda", "--chip", "v6e", "--peers-only", "--output", str(output)]) == 0
+    assert calls["ours"] is False and calls["peered"] == [label]
+    rows = cost_store.load(cost_store.json_path(str(output))).rows
+    assert {(row.implementation, row.peer) for row in rows} == {("chunk", False), ("atomic_ops", True)}
+
+
+def test_cost_peers_only_and_no_peers_exclude_each_other(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_require", lambda *args: None)
+    with pytest.raises(SystemExit):
+        cli.main(["cost", "--peers-only", "--no-peers"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
 def test_cost_refuses_a_full_shape_budget_above_the_memory_budget(monkeypatch, capsys):
     monkeypatch.setattr(cli, "_require", lambda *args: None)
     assert cli.main(["cost", "--op", "gla", "--no-decode", "--memory-budget", "6", "--full-shape-budget", "8"]) == 2

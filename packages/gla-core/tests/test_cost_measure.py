@@ -200,3 +200,18 @@ def test_measure_a_tiny_program_end_to_end():
         print(f"  {kernel}")
         assert kernel.method == "full" and kernel.cycles > 0 and kernel.vmem_bytes > 0
         assert kernel.probes and kernel.scaled > 0 and kernel.compile_bytes > 0
+
+
+def test_programs_of_the_peers_only(monkeypatch):
+    """`ours=False` (gla cost --peers-only): the forward and training step of each installed peer, none of ours."""
+    from gla_core import cost_peers
+
+    monkeypatch.setattr(cost_peers.Peer, "installed", lambda peer: True)
+    problem = attention_problem("kda", 1, 2048, 4)
+    peers = [peer.name for peer in cost_peers.peers_of("kda")]
+    programs = cost_measure.programs_of(problem, with_peers=True, ours=False)
+    assert [(p.implementation, p.stage, p.peer) for p in programs] == [
+        (name, stage, True) for name in peers for stage in cost_measure.STAGES
+    ]
+    assert cost_measure.programs_of(problem, with_peers=False, ours=False) == []
+    assert not any(p.peer for p in cost_measure.programs_of(problem, with_peers=False))

@@ -181,11 +181,12 @@ def command_cost(args: argparse.Namespace) -> int:
         # The peers beside the first problem of their op (the production shape of the issues).
         peered = [] if args.no_peers else [next((p.label for p in problems if p.op == op), None) for op in PEER_OPS]
         jobs = args.jobs or DEFAULT_JOBS
-        options = dict(peered=peered, extra=extra, jobs=jobs, memory_budget=budget, full_shape_budget=full)
+        options = dict(peered=peered, extra=extra, ours=not args.peers_only, jobs=jobs, memory_budget=budget)
+        options.update(full_shape_budget=full)
         clocks, rows = measure(problems, chips, progress=log, measured=keep, **options)
     decode_ops = [op for op in DECODE_OPS if not args.op or op in args.op]
     decode = []
-    if not args.no_decode and "v6e" in chips:
+    if not (args.no_decode or args.peers_only) and "v6e" in chips:
         clock = clocks["v6e"] if "v6e" in clocks else calibrate_clock("v6e", budget)
         decode = measure_decode(decode_ops, clock, "v6e", budget)
         log(f"decode steps: {len(decode)} programs")
@@ -321,10 +322,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="B=1 T=2048 problems with a quarter of the heads instead of the production shapes (a trial run)",
     )
-    cost.add_argument("--no-peers", action="store_true", help="skip the other libraries' kernels")
+    only = cost.add_mutually_exclusive_group()
+    only.add_argument("--no-peers", action="store_true", help="skip the other libraries' kernels")
     cost.add_argument("--no-decode", action="store_true", help="skip the serving decode steps")
-    cost.add_argument(
+    only.add_argument(
         "--decode-only", action="store_true", help="profile only the serving decode steps (v6e); keep every other row"
+    )
+    only.add_argument(
+        "--peers-only",
+        action="store_true",
+        help="profile only the other libraries' kernels (beside the first problem of their op); keep every other row",
     )
     cost.add_argument("--jobs", type=int, default=None, help="compile subprocesses at once (default 2)")
     cost.add_argument(

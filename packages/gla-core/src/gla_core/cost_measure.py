@@ -190,11 +190,13 @@ class Program:
     peer: bool
 
 
-def programs_of(problem: Problem, with_peers: bool = True, extra: Sequence[str] = ()) -> list[Program]:
-    """The forward and training step of the problem's default implementation on TPU, of the
-    implementations named in `extra`, and (`with_peers`) of its op's installed peers."""
+def programs_of(
+    problem: Problem, with_peers: bool = True, extra: Sequence[str] = (), ours: bool = True
+) -> list[Program]:
+    """The forward and training step of the problem's default implementation on TPU and of the
+    implementations named in `extra` (`ours`), and (`with_peers`) of its op's installed peers."""
     programs = []
-    for impl in (None, *extra):
+    for impl in (None, *extra) if ours else ():
         name = impl or chosen_implementation(problem)
         programs += [Program(program_spec(problem, stage, impl), stage, name, False) for stage in STAGES]
     for peer in peers_of(problem.op) if with_peers else ():
@@ -374,6 +376,7 @@ def measure(
     *,
     peered: Sequence[str] = (),
     extra: dict[str, Sequence[str]] | None = None,
+    ours: bool = True,
     jobs: int = DEFAULT_JOBS,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     full_shape_budget: int | None = None,
@@ -384,7 +387,8 @@ def measure(
     called with the rows of every problem and chip as they come (from several threads).
 
     `peered`: the labels of the problems to measure the peers on; `extra`: implementations to measure
-    besides the default, by the problem's label. `memory_budget`: the memory the compile jobs may
+    besides the default, by the problem's label; `ours`: measure our implementations (else the peers
+    only, on the problems of `peered`). `memory_budget`: the memory the compile jobs may
     reserve at once; `full_shape_budget` (default and at most: `memory_budget`): kernels whose
     full-shape compile is predicted to fit it are compiled at the full shape (0: none, every kernel
     that can be is scaled from its probes).
@@ -397,8 +401,9 @@ def measure(
     gate = MemoryGate(jobs, memory_budget)
     clocks = calibrate(chips, gate)
     pipelines = [
-        _Pipeline(p, programs_of(p, p.label in peered, (extra or {}).get(p.label, ())), chip, gate, full)
+        _Pipeline(p, programs_of(p, p.label in peered, (extra or {}).get(p.label, ()), ours), chip, gate, full)
         for p in problems
+        if ours or p.label in peered
         for chip in chips
     ]
 
