@@ -181,8 +181,14 @@ def command_cost(args: argparse.Namespace) -> int:
         # The peers beside the first problem of their op (the production shape of the issues).
         peered = [] if args.no_peers else [next((p.label for p in problems if p.op == op), None) for op in PEER_OPS]
         jobs = args.jobs or DEFAULT_JOBS
-        options = dict(peered=peered, extra=extra, ours=not args.peers_only, jobs=jobs, memory_budget=budget)
-        options.update(full_shape_budget=full)
+        options = dict(
+            peered=peered,
+            extra=extra,
+            ours=not args.peers_only,
+            jobs=jobs,
+            memory_budget=budget,
+            full_shape_budget=full,
+        )
         clocks, rows = measure(problems, chips, progress=log, measured=keep, **options)
     decode_ops = [op for op in DECODE_OPS if not args.op or op in args.op]
     decode = []

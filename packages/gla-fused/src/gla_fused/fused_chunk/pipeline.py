@@ -138,8 +138,8 @@ class FusedConfig:
 
     @property
     def block_chunks(self) -> int:
-        """Chunks per grid step. A packed row's padded chunk count, rounded for steps of at most this
-        many, is the one `create` rounded for the steps it was asked for (`even_step_chunks`)."""
+        """Chunks per grid step (`create` chose it to divide a packed row's padded chunk count, which
+        rounding for steps of at most this many therefore leaves as it is)."""
         return self.block_tokens // self.kernel_chunk
 
     def layout(self, cu_seqlens) -> ChunkLayout | None:
